@@ -1,0 +1,1 @@
+"""Example experiments for runner: model and data code, ready to run."""

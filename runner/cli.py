@@ -1,0 +1,90 @@
+"""The command line: `python -m runner [overrides]` through Hydra; each job validates, then trains or launches."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from omegaconf import DictConfig
+
+from runner.config import ConfigError, register_configs, register_resolvers
+
+register_resolvers()
+register_configs()
+
+# The config groups live at the top of the repository (conf/), beside the package.
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+# Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
+failed_jobs: list[str] = []
+
+
+def _external_rank() -> int:
+    """This process's rank when torchrun or srun started all of them, else 0."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])
+    return 0
+
+
+def _quiet_secondary_rank() -> None:
+    """Ranks > 0 started outside the runner compose the same config but write no run folder of their own.
+
+    Rank 0's folder is broadcast to them once the process group is up.
+    """
+    if _external_rank() == 0 or any(a in ("--help", "-h", "--info", "--cfg", "-c") for a in sys.argv):
+        return
+    scratch = tempfile.mkdtemp(prefix="runner-rank-")
+    atexit.register(shutil.rmtree, scratch, True)
+    sys.argv += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
+                 "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def _report(error: BaseException) -> None:
+    print(f"error: {error}", file=sys.stderr)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def hydra_main(cfg: DictConfig) -> Optional[float]:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from runner import job
+
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        metrics = job.fit(cfg, hydra_cfg.runtime.output_dir, own_logging=False)
+    except Exception as error:  # noqa: BLE001 - every failure becomes one message and a non-zero exit
+        if not _expected(error):
+            raise
+        _report(error)
+        if not multirun:
+            sys.exit(1)
+        failed_jobs.append(hydra_cfg.runtime.output_dir)
+        return None
+    return metrics.get(cfg.objective)
+
+
+def _expected(error: BaseException) -> bool:
+    """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
+    from runner.checkpoint_io import CheckpointError
+    from runner.launch import WorkerFailed
+    from runner.loop import NonFiniteLossError
+
+    return isinstance(error, (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError))
+
+
+def main() -> None:
+    _quiet_secondary_rank()
+    hydra_main()
+    if failed_jobs:
+        print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
+        sys.exit(1)

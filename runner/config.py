@@ -1,0 +1,152 @@
+"""Config schema, the run-folder resolver, and the checks a composed config passes before any worker starts."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(Exception):
+    """A config that cannot run. Holds every problem found, each naming the key, the value and what is allowed."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+    def __str__(self) -> str:
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        return f"invalid config ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}):\n{lines}"
+
+
+@dataclass
+class TrainerConfig:
+    devices: Any = "auto"  # int, -1 or 'auto' (all devices), or a list of device indices
+    num_nodes: int = 1
+    max_epochs: int = 5  # -1: no limit (then max_steps must be set)
+    max_steps: int = -1  # -1: no limit
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    log_every_n_steps: int = 20
+    val_check_interval: Any = 1.0  # float: fraction of an epoch; int: every N optimizer steps
+    limit_train_batches: Any = 1.0  # float: fraction of the batches; int: number of batches
+    limit_val_batches: Any = 1.0
+    ckpt_every_n_steps: Optional[int] = None
+    ckpt_path: Optional[str] = None  # a file, or 'last'
+    seed: int = 0
+    deterministic: bool = False
+    fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(group="trainer", name="trainer_schema", node=TrainerConfig)
+
+
+_unique_dirs: dict[str, str] = {}
+
+
+def unique_dir(path: str) -> str:
+    """Create `path` (or `path-1`, `path-2`, ...) and return it, so runs started in one second never share it.
+
+    Memoised per process: Hydra may resolve the run dir more than once within one run.
+    """
+    if path not in _unique_dirs:
+        candidate, n = path, 0
+        while True:
+            try:
+                os.makedirs(candidate, exist_ok=False)
+                break
+            except FileExistsError:
+                n += 1
+                candidate = f"{path}-{n}"
+        _unique_dirs[path] = candidate
+    return _unique_dirs[path]
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("unique_dir"):
+        OmegaConf.register_new_resolver("unique_dir", unique_dir)
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_trainer(t: DictConfig) -> Iterator[str]:
+    devices = t.devices
+    if not (devices == "auto" or (_is_int(devices) and (devices >= 1 or devices == -1)) or _is_index_list(devices)):
+        yield (f"trainer.devices={devices} is not allowed: use a positive number of devices, -1 or 'auto' "
+               "(all devices), or a list of device indices such as [0,1]")
+    positive = ("num_nodes", "accumulate_grad_batches", "log_every_n_steps")
+    for key in positive:
+        if not (_is_int(t[key]) and t[key] >= 1):
+            yield f"trainer.{key}={t[key]} must be a positive integer"
+    for key in ("max_epochs", "max_steps"):
+        if not (_is_int(t[key]) and (t[key] >= 1 or t[key] == -1)):
+            yield f"trainer.{key}={t[key]} must be a positive integer, or -1 for no limit"
+    if t.max_epochs == -1 and t.max_steps == -1 and not t.fast_dev_run:
+        yield "trainer.max_epochs=-1 and trainer.max_steps=-1 would train forever: set one of them"
+    if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
+        yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be positive, or null for no clipping"
+    if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:
+        yield f"trainer.ckpt_every_n_steps={t.ckpt_every_n_steps} must be a positive integer, or null"
+    for key in ("val_check_interval", "limit_train_batches", "limit_val_batches"):
+        yield from _check_fraction_or_count(key, t[key], allow_zero=key == "limit_val_batches")
+    if not (isinstance(t.fast_dev_run, bool) or (_is_int(t.fast_dev_run) and t.fast_dev_run >= 0)):
+        yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
+
+
+def _is_index_list(value: Any) -> bool:
+    items = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    return isinstance(items, (list, tuple)) and len(items) > 0 and all(_is_int(i) and i >= 0 for i in items)
+
+
+def _check_fraction_or_count(key: str, value: Any, allow_zero: bool) -> Iterator[str]:
+    low = 0 if allow_zero else 1
+    if _is_int(value) and value >= low:
+        return
+    if isinstance(value, float) and (0.0 < value <= 1.0 or (allow_zero and value == 0.0)):
+        return
+    yield (f"trainer.{key}={value} is not allowed: use a fraction of an epoch in (0, 1] "
+           f"or a whole number of batches >= {low}")
+
+
+def _targets(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    if OmegaConf.is_dict(node):
+        for key in node:
+            if key == "_target_":
+                yield prefix + "._target_", node[key]
+            else:
+                yield from _targets(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
+    elif OmegaConf.is_list(node):
+        for i, item in enumerate(node):
+            yield from _targets(item, f"{prefix}[{i}]")
+
+
+def _check_targets(cfg: DictConfig) -> Iterator[str]:
+    for key, target in _targets(cfg, ""):
+        module_name, _, attr = str(target).rpartition(".")
+        try:
+            getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            yield f"{key}={target} cannot be imported ({type(err).__name__}: {err}); check the module and name"
+
+
+def _check_data(cfg: DictConfig) -> Iterator[str]:
+    batch_size = cfg.data.get("batch_size") if OmegaConf.is_dict(cfg.get("data")) else None
+    if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
+        yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
+
+
+def check_static(cfg: DictConfig) -> list[str]:
+    """Problems that need no hardware look-up: types, ranges, importable targets."""
+    problems = list(_check_trainer(cfg.trainer))
+    problems += _check_data(cfg)
+    problems += _check_targets(cfg)
+    return problems

@@ -1,0 +1,133 @@
+"""Data: the built-in synthetic task, and the samplers and loaders that give every step its global batch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+
+class Batch(tuple):
+    """A batch a data set already collated itself (from `__getitems__`); the loader passes it through."""
+
+
+def collate(samples: Any) -> Any:
+    return samples if isinstance(samples, Batch) else default_collate(samples)
+
+
+class TensorPairDataset(Dataset):
+    """In-memory (inputs, targets) pairs that fetch a whole batch with one indexing operation."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[index], self.targets[index]
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        index = torch.as_tensor(indices)
+        return Batch((self.inputs[index], self.targets[index]))
+
+
+class SyntheticClassification:
+    """A learnable task made in memory: Gaussian inputs labelled by a fixed random two-layer teacher."""
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        val_samples: int = 1000,
+        num_features: int = 32,
+        num_classes: int = 4,
+        batch_size: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        for name, value in (("num_samples", num_samples), ("num_features", num_features), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"data.{name}={value} must be a positive integer")
+        if num_classes < 2:
+            raise ValueError(f"data.num_classes={num_classes} must be at least 2")
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        generator = torch.Generator().manual_seed(seed)
+        hidden = 4 * num_features
+        w1 = torch.randn(num_features, hidden, generator=generator) / math.sqrt(num_features)
+        w2 = torch.randn(hidden, num_classes, generator=generator) / math.sqrt(hidden)
+
+        def make(n: int) -> TensorPairDataset:
+            x = torch.randn(n, num_features, generator=generator)
+            y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
+            return TensorPairDataset(x, y)
+
+        self.train_dataset = make(num_samples)
+        self.val_dataset = make(val_samples)
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that drops the tail and can start mid-epoch.
+
+    With `drop_last`, rank r of W takes positions r, r+W, ... of the epoch's permutation, so the
+    global batch of step t is the same set of samples for any W at a fixed global batch size.
+    `start_batch` skips the batches a resumed run already trained on in this epoch.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.start_batch = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start_batch * self.batch_size :])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start_batch * self.batch_size)
+
+
+class EvalSampler(Sampler[int]):
+    """Rank r of W takes samples r, r+W, ...: every sample exactly once, no padding, in order."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        self.size, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.num_replicas))
+
+
+def _loader(data: Any, dataset: Dataset, sampler: Sampler, drop_last: bool, seed: int) -> DataLoader:
+    workers = int(getattr(data, "num_workers", 0))
+    return DataLoader(
+        dataset,
+        batch_size=data.batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=workers,
+        pin_memory=bool(getattr(data, "pin_memory", False)),
+        persistent_workers=workers > 0,
+        collate_fn=getattr(data, "collate_fn", collate),
+        # The loader's own generator keeps the global RNG untouched, so resuming mid-epoch is exact.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> DataLoader:
+    kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
+    sampler = TrainSampler(data.train_dataset, data.batch_size, seed=seed, **kwargs)
+    return _loader(data, data.train_dataset, sampler, drop_last=True, seed=seed)
+
+
+def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> Optional[DataLoader]:
+    dataset = getattr(data, "val_dataset", None)
+    if dataset is None or len(dataset) == 0:
+        return None
+    kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
+    return _loader(data, dataset, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)

@@ -1,0 +1,70 @@
+"""One job, in the process Hydra runs: validate, lay out the run folder, then train in-process or launch workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import register_resolvers, unique_dir
+from runner.instantiate import build_strategy, validate
+
+log = logging.getLogger("runner")
+
+
+def resolve_ckpt_path(value: Any, run_dir: Path) -> Optional[str]:
+    """`trainer.ckpt_path`: a file, or 'last' (this run folder's last.ckpt, else the newest one under outputs/)."""
+    if value in (None, ""):
+        return None
+    if value != "last":
+        return os.path.abspath(str(value))
+    own = run_dir / "checkpoints" / "last.ckpt"
+    if own.exists():
+        return str(own.resolve())
+    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    if found:
+        return str(found[-1].resolve())
+    log.warning("trainer.ckpt_path=last: no last.ckpt in %s or under outputs/; training from the start", run_dir)
+    return None
+
+
+def resolved_config(cfg: DictConfig, strategy: Any, ckpt_path: Optional[str]) -> dict:
+    """The config workers build from: interpolations resolved, `auto` choices made once, here."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved.pop("hydra", None)
+    environment = getattr(strategy, "cluster_environment", None)
+    if environment is not None:
+        resolved["cluster"] = {"_target_": f"{type(environment).__module__}.{type(environment).__qualname__}"}
+    resolved["trainer"]["ckpt_path"] = ckpt_path
+    return resolved
+
+
+def default_run_dir() -> Path:
+    register_resolvers()
+    return Path(unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
+
+
+def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
+    """Run one job from a composed config and return its final metrics (see `runner.fit`)."""
+    from runner import worker
+
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    ckpt_path = resolve_ckpt_path(cfg.trainer.ckpt_path, run_dir)
+    validate(cfg, ckpt_path)
+    strategy = build_strategy(cfg)
+    resolved = resolved_config(cfg, strategy, ckpt_path)
+    config_file = run_dir / ".hydra" / "resolved.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(resolved), config_file)
+    launcher = strategy.launcher
+    if launcher is None:
+        return worker.run(OmegaConf.create(resolved), run_dir, ckpt_path, own_logging=own_logging)
+    log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
+    launcher.launch(config_file, run_dir, deterministic=cfg.trainer.deterministic)
+    import json
+
+    return json.loads((run_dir / "metrics.json").read_text())

@@ -1,0 +1,98 @@
+"""Start the local worker processes of one job through torch.distributed.elastic, and report how they ended."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator, Literal
+
+StartMethod = Literal["popen", "spawn", "fork"]
+
+
+class WorkerFailed(RuntimeError):
+    """A worker of the job raised or died; the message names the rank and carries its traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(message)
+
+
+@contextlib.contextmanager
+def _worker_environment(num_processes: int, deterministic: bool) -> Iterator[None]:
+    """Variables the workers inherit, set only around their start and restored afterwards."""
+    saved = dict(os.environ)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Workers sharing the cores evenly beat each starting one thread per core.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # popen workers import the experiment code from where the user ran the command.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class ElasticLauncher:
+    """`num_processes` workers on this node, each running `runner.worker` on the resolved config file."""
+
+    def __init__(self, num_processes: int, start_method: StartMethod = "popen", max_restarts: int = 0,
+                 shutdown_timeout: int = 30) -> None:
+        self.num_processes = num_processes
+        self.start_method = start_method
+        self.max_restarts = max_restarts
+        self.shutdown_timeout = shutdown_timeout
+
+    def launch(self, config_file: Path, run_dir: Path, deterministic: bool = False) -> None:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        from runner import worker
+
+        scratch = tempfile.mkdtemp(prefix="runner-elastic-")  # error files of the workers
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=self.num_processes,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",  # port 0: the OS picks a free one, held by the agent's store
+            max_restarts=self.max_restarts,
+            monitor_interval=0.05,
+            start_method="spawn" if self.start_method == "popen" else self.start_method,
+            logs_specs=DefaultLogsSpecs(log_dir=scratch),
+            local_addr="127.0.0.1",
+            shutdown_timeout=self.shutdown_timeout,
+        )
+        if self.start_method == "popen":
+            entrypoint, args = sys.executable, ("-m", "runner.worker", str(config_file), str(run_dir))
+        else:
+            entrypoint, args = worker.run_from_file, (str(config_file), str(run_dir))
+        try:
+            with _worker_environment(self.num_processes, deterministic):
+                elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            raise WorkerFailed(rank, _describe(rank, failure)) from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _describe(rank: int, failure: object) -> str:
+    data = getattr(failure, "error_file_data", None) or {}
+    detail = data.get("message", {}) if isinstance(data, dict) else {}
+    trace = detail.get("extraInfo", {}).get("py_callstack") if isinstance(detail, dict) else None
+    if trace:
+        return f"rank {rank} failed:\n{trace.rstrip()}"
+    code = getattr(failure, "exitcode", None)
+    signal = getattr(failure, "signal_name", lambda: "")()
+    how = f"was killed by {signal}" if code is not None and code < 0 else f"exited with code {code}"
+    return f"rank {rank} {how} (see its log: runner.log for rank 0, rank_{rank}.log otherwise)"

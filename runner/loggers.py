@@ -1,0 +1,60 @@
+"""Metric loggers: TensorBoard for global rank 0, a logger that does nothing for the other ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+
+class NullLogger:
+    """What ranks other than 0 log to."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+def _hparam_value(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+class TensorBoardLogger:
+    """One event stream in `<root_dir>/<subdir>`, with the hyperparameters and final metrics for HParams."""
+
+    def __init__(self, root_dir: str, subdir: str = "tensorboard", flush_secs: int = 30) -> None:
+        self.log_dir = os.path.join(root_dir, subdir)
+        self.flush_secs = flush_secs
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:  # tensorboard is imported by the first write, not at start-up
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs)
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, global_step=step)
+
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        """Write HParams into the same event file (SummaryWriter.add_hparams would open a second one)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: _hparam_value(v) for k, v in params.items()}
+        experiment, session_start, session_end = hparams(flat, dict(metrics))
+        file_writer = self.writer._get_file_writer()
+        for summary in (experiment, session_start, session_end):
+            file_writer.add_summary(summary)
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value)
+
+    def finalize(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

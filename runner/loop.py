@@ -1,0 +1,324 @@
+"""The fixed training loop: it calls the injected strategy, precision, logger and checkpoint objects, nothing else."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger("runner")
+
+# Order of the values summed over processes at a log step.
+LOSS, COUNT, CORRECT, HAS_CORRECT, NONFINITE, STOP = range(6)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch: int = 0  # micro-batches this process has trained on in the current epoch
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class Schedule:
+    """When things happen, derived once from `trainer.*` and the loader length."""
+
+    batches_per_epoch: int
+    accumulate: int
+    max_steps: float
+    max_epochs: float
+    log_every: int
+    val_every: int
+    val_batches: float
+    ckpt_every: float
+    save: bool
+
+
+def make_schedule(t: Any, train_batches: int, val_batches: int) -> Schedule:
+    dev_run = int(t.fast_dev_run)  # true -> 1
+    limit = _limit(t.limit_train_batches, train_batches)
+    accumulate = t.accumulate_grad_batches
+    batches = max(dev_run, 0) if dev_run else limit
+    batches = min(batches, train_batches) // accumulate * accumulate
+    steps_per_epoch = max(batches // accumulate, 1)
+    interval = t.val_check_interval
+    val_every = interval if isinstance(interval, int) else max(1, int(interval * steps_per_epoch))
+    return Schedule(
+        batches_per_epoch=batches,
+        accumulate=accumulate,
+        max_steps=dev_run or (math.inf if t.max_steps == -1 else t.max_steps),
+        max_epochs=1 if dev_run else (math.inf if t.max_epochs == -1 else t.max_epochs),
+        log_every=1 if dev_run else t.log_every_n_steps,
+        val_every=val_every,
+        val_batches=dev_run or _limit(t.limit_val_batches, val_batches),
+        ckpt_every=math.inf if dev_run or t.ckpt_every_n_steps is None else t.ckpt_every_n_steps,
+        save=not dev_run,
+    )
+
+
+def _limit(value: Any, total: int) -> int:
+    return min(value, total) if isinstance(value, int) else int(value * total)
+
+
+class Loop:
+    """Trains `task` (wrapped by the strategy) until max_steps or max_epochs, validating and checkpointing."""
+
+    def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
+                 val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], bool],
+                 hparams: dict) -> None:
+        self.strategy, self.task, self.wrapped = strategy, task, wrapped
+        self.precision = strategy.precision
+        self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
+        self.cfg, self.run_dir, self.stop_requested, self.hparams = trainer_cfg, run_dir, stop_requested, hparams
+        self.schedule = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
+        self.progress = Progress()
+        self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
+        device = strategy.root_device
+        self._sums = torch.zeros(6, dtype=torch.float64, device=device)  # since the last log step
+        self._last_val_step = -1
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> dict:
+        s, p = self.schedule, self.progress
+        if s.batches_per_epoch < 1:
+            raise ValueError(self._too_few_batches())
+        self._announce()
+        self._tick = time.perf_counter()
+        stopped = False
+        while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
+            self.train.sampler.set_epoch(p.epoch)
+            self.train.sampler.start_batch = p.batch
+            self.task.train()
+            for inputs, targets in self.train:
+                if p.batch >= s.batches_per_epoch:
+                    break
+                p.batch += 1
+                if self._micro_step(inputs, targets, sync=p.batch % s.accumulate == 0):
+                    stopped = self._after_step()
+                    if stopped or p.step >= s.max_steps:
+                        break
+            if p.batch >= s.batches_per_epoch:
+                p.epoch, p.batch = p.epoch + 1, 0
+        return self._finish(stopped)
+
+    def _micro_step(self, inputs: Any, targets: Any, sync: bool) -> bool:
+        """Forward and backward one micro-batch; on the last of an accumulation window, step the optimizer."""
+        inputs, targets = self.strategy.batch_to_device((inputs, targets))
+        with self.strategy.backward_sync(self.wrapped, enabled=sync):
+            out = self.strategy.training_step(self.wrapped, inputs, targets)
+            loss = out["loss_sum"].sum() / out["count"].sum()
+            self.precision.backward(loss / self.schedule.accumulate)
+        self._accumulate(out, loss)
+        if not sync:
+            return False
+        self.precision.unscale_gradients(self.optimizer)
+        if self.cfg.gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.cfg.gradient_clip_val)
+        self.precision.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.progress.step += 1
+        return True
+
+    def _accumulate(self, out: dict, loss: torch.Tensor) -> None:
+        sums = self._sums
+        sums[LOSS] += out["loss_sum"].detach().sum()
+        sums[COUNT] += out["count"].sum()
+        if "correct" in out:
+            sums[CORRECT] += out["correct"].sum()
+            sums[HAS_CORRECT] += 1
+        sums[NONFINITE] += (~torch.isfinite(loss.detach())).double()
+
+    def _after_step(self) -> bool:
+        """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
+        s, step = self.schedule, self.progress.step
+        stop = False
+        if step % s.log_every == 0 or step % s.ckpt_every == 0:
+            stop = self._log_train()
+        if step % s.val_every == 0:
+            self._validate()
+        if s.save and (step % s.ckpt_every == 0 or stop):
+            self._save(periodic=step % s.ckpt_every == 0)
+        return stop
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def _log_train(self) -> bool:
+        """Reduce the sums since the last log over all processes; every process calls this at the same step."""
+        self._sums[STOP] = float(self.stop_requested())
+        sums = self.strategy.all_reduce(self._sums, reduce_op="sum").tolist()
+        self._sums.zero_()
+        elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
+        if sums[NONFINITE] > 0:
+            raise NonFiniteLossError(self._nonfinite_message())
+        metrics = {"train/loss": sums[LOSS] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
+                   "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
+        if sums[HAS_CORRECT]:
+            metrics["train/acc"] = sums[CORRECT] / max(sums[COUNT], 1)
+        self.progress.metrics.update(metrics)
+        self.logger.log_metrics(metrics, self.progress.step)
+        if self.strategy.is_global_zero:
+            self._print_progress(metrics)
+        return sums[STOP] > 0
+
+    def _validate(self) -> None:
+        if self.val is None or self._last_val_step == self.progress.step:
+            return
+        start = time.perf_counter()
+        self.task.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=self.strategy.root_device)
+        with torch.no_grad():
+            for index, (inputs, targets) in enumerate(self.val):
+                if index >= self.schedule.val_batches:
+                    break
+                inputs, targets = self.strategy.batch_to_device((inputs, targets))
+                out = self.strategy.validation_step(self.wrapped, inputs, targets)
+                sums[LOSS] += out["loss_sum"].sum()
+                sums[COUNT] += out["count"].sum()
+                if "correct" in out:
+                    sums[CORRECT] += out["correct"].sum()
+                    sums[HAS_CORRECT] += 1
+        self.task.train()
+        loss, count, correct, has_correct = self.strategy.all_reduce(sums, reduce_op="sum").tolist()
+        self._last_val_step = self.progress.step
+        if count:
+            metrics = {"val/loss": loss / count}
+            if has_correct:
+                metrics["val/acc"] = correct / count
+            self.progress.metrics.update(metrics)
+            self.logger.log_metrics(metrics, self.progress.step)
+            log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), count,
+                     time.perf_counter() - start)
+        self._tick += time.perf_counter() - start  # validation time is not training throughput
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        p = self.progress
+        return {
+            "model": self.strategy.unwrap(self.wrapped).model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "step": p.step,
+            "epoch": p.epoch,
+            "samples_in_epoch": p.batch * self.train.batch_size * self.strategy.world_size,
+            "global_batch_size": self.global_batch,
+            "metrics": dict(p.metrics),
+            "rng": _rng_state(),
+        }
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        per_batch = self.train.batch_size * self.strategy.world_size
+        samples = checkpoint.get("samples_in_epoch", 0)
+        if samples % per_batch:
+            raise ValueError(
+                f"the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, which is not a whole "
+                f"number of batches of {per_batch} (data.batch_size x processes); resume with the same global batch "
+                f"({checkpoint.get('global_batch_size')})"
+            )
+        self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.precision.load_state_dict(checkpoint.get("precision", {}))
+        self.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
+                                 dict(checkpoint.get("metrics", {})))
+        _set_rng_state(checkpoint["rng"])
+        self._last_val_step = -1
+
+    def _save(self, periodic: bool) -> None:
+        folder = self.run_dir / "checkpoints"
+        state = self.state_dict()
+        if periodic:
+            self.strategy.save_checkpoint(state, folder / f"step-{self.progress.step:06d}.ckpt")
+        self.strategy.save_checkpoint(state, folder / "last.ckpt")
+
+    # -- start and end ------------------------------------------------------------------------------
+    def _finish(self, stopped: bool) -> dict:
+        p = self.progress
+        if not stopped:
+            if p.step % self.schedule.log_every:
+                self._log_train()
+            self._validate()
+        if self.schedule.save:
+            self._save(periodic=False)
+        result = {**p.metrics, "step": p.step, "epoch": p.epoch, "stopped_early": stopped}
+        if self.strategy.is_global_zero:
+            final = {k: v for k, v in result.items() if isinstance(v, float)}
+            self.logger.log_hyperparams(self.hparams, final)
+            _write_json(self.run_dir / "metrics.json", result)
+            log.info("done: %s", _fmt(result))
+        self.strategy.barrier("finish")
+        return result
+
+    def _announce(self) -> None:
+        s, p = self.schedule, self.progress
+        log.info("global batch %d = data.batch_size %d x %d process(es) x accumulate %d; %d optimizer steps "
+                 "per epoch; starting at step %d (epoch %d, batch %d)", self.global_batch, self.train.batch_size,
+                 self.strategy.world_size, s.accumulate, s.batches_per_epoch // s.accumulate, p.step, p.epoch,
+                 p.batch)
+
+    def _too_few_batches(self) -> str:
+        return (f"no full global batch per epoch: the training set gives {len(self.train)} batch(es) of "
+                f"data.batch_size={self.train.batch_size} per process with {self.strategy.world_size} process(es), "
+                f"fewer than trainer.accumulate_grad_batches={self.schedule.accumulate} or limited to zero by "
+                "trainer.limit_train_batches; use more samples or a smaller batch")
+
+    def _nonfinite_message(self) -> str:
+        last = self.run_dir / "checkpoints" / "last.ckpt"
+        where = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved yet"
+        return (f"the training loss became NaN or infinite before step {self.progress.step} "
+                f"(checked every trainer.log_every_n_steps={self.schedule.log_every} steps); {where}")
+
+    def _print_progress(self, metrics: dict) -> None:
+        s, p = self.schedule, self.progress
+        total = min(s.max_steps, s.max_epochs * (s.batches_per_epoch // s.accumulate))
+        rate = metrics["throughput/samples_per_s"] / self.global_batch
+        eta = (total - p.step) / rate if rate and total < math.inf else float("nan")
+        line = (f"step {p.step}/{total if total < math.inf else '?'}  epoch {p.epoch}  "
+                f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
+                f"eta {eta:.0f}s")
+        log.debug(line)
+        if _interactive():
+            print("\r" + line, end="", flush=True)
+
+
+def _interactive() -> bool:
+    return os.isatty(2) and os.environ.get("TERM") != "dumb"
+
+
+def _fmt(metrics: dict) -> str:
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+
+
+def _rng_state() -> dict:
+    version, state, gauss = random.getstate()
+    rng = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

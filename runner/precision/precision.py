@@ -1,0 +1,104 @@
+"""Full float32 precision: the base precision plugin that the training loop talks to."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in nested lists, tuples, namedtuples and dicts to `dtype`.
+
+    Integer tensors (class labels, indices) and non-tensor leaves pass through untouched, and every
+    container comes back as the same type it went in as.
+    """
+    if isinstance(data, Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(cast_floats(item, dtype) for item in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(cast_floats(item, dtype) for item in data)
+    if isinstance(data, dict):
+        # A shallow copy keeps dict subclasses (OrderedDict, defaultdict) with their own settings.
+        out = data.copy()
+        for key, value in data.items():
+            out[key] = cast_floats(value, dtype)
+        return out
+    return data
+
+
+class Precision:
+    """32-true: parameters, inputs and outputs stay float32; every hook is the plain fp32 action.
+
+    Subclasses that compute in another dtype set `_dtype`; the module is then built and cast in it
+    and floating inputs are cast to it, while outputs come back as float32.
+    """
+
+    precision: str = "32-true"
+    _dtype: torch.dtype | None = None
+
+    def __init__(self) -> None:
+        # Default dtype to put back if a module_init_context is still open at teardown.
+        self._dtype_before_init: torch.dtype | None = None
+
+    def module_init_context(self) -> AbstractContextManager:
+        """Context in which the model is constructed, so its parameters are born in the compute dtype."""
+        return nullcontext() if self._dtype is None else self._default_dtype(self._dtype)
+
+    @contextmanager
+    def _default_dtype(self, dtype: torch.dtype) -> Iterator[None]:
+        previous = torch.get_default_dtype()
+        outermost = self._dtype_before_init is None
+        if outermost:
+            self._dtype_before_init = previous
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+            if outermost:
+                self._dtype_before_init = None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast the module's floating parameters and buffers to the compute dtype."""
+        return module if self._dtype is None else module.to(self._dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast the floating tensors of a batch to the compute dtype; integer tensors stay as they are."""
+        return data if self._dtype is None else cast_floats(data, self._dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating outputs to float32 so losses and metrics accumulate in float32."""
+        return data if self._dtype is None else cast_floats(data, torch.float32)
+
+    def forward_context(self) -> AbstractContextManager:
+        """A fresh context around the forward pass (thread-local state such as autocast lives in it)."""
+        return nullcontext()
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Bring gradients to their true scale before clipping; nothing to do without loss scaling."""
+
+    def optimizer_step(self, optimizer: Optimizer) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state (the loss scaler's); plain numbers only, so weights_only loading works."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`. Without a loss scaler any saved scaler state is ignored, which lets a
+        run resume under a different precision."""
+
+    def teardown(self) -> None:
+        """Put back the default dtype if the loop stopped while a module_init_context was open."""
+        if self._dtype_before_init is not None:
+            torch.set_default_dtype(self._dtype_before_init)
+            self._dtype_before_init = None

@@ -1,0 +1,175 @@
+"""Multi-process data parallel training: one process per device, gradients averaged by DistributedDataParallel."""
+
+from __future__ import annotations
+
+import datetime
+from contextlib import nullcontext
+from typing import Any, ContextManager, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from runner.accelerators import Accelerator
+from runner.checkpoint_io import CheckpointIO
+from runner.environments import ClusterEnvironment, LocalEnvironment
+from runner.precision import Precision
+from runner.strategies.strategy import Strategy, T
+
+StartMethod = Literal["popen", "spawn", "fork"]
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+_MEAN_NAMES = ("mean", "avg")
+
+
+class DDPStrategy(Strategy):
+    """`start_method` says how the launcher creates local processes; extra keyword arguments go to DDP."""
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[datetime.timedelta, float, int] = datetime.timedelta(seconds=1800),
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"strategy.start_method={start_method!r} is not one of popen, spawn, fork")
+        self.parallel_devices = parallel_devices or [torch.device("cpu")]
+        self.cluster_environment = cluster_environment or LocalEnvironment()
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        self.start_method = start_method
+        self._ddp_kwargs = kwargs
+
+    # -- who am I -------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def launcher(self) -> Any:
+        if self.cluster_environment.creates_processes_externally or len(self.parallel_devices) == 1:
+            return None
+        from runner.launch import ElasticLauncher
+
+        return ElasticLauncher(len(self.parallel_devices), self.start_method)
+
+    def _backend(self) -> str:
+        if self.process_group_backend:
+            return self.process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Join the process group (once per process, before any communication)."""
+        super().setup_environment()
+        if dist.is_initialized():
+            return
+        env = self.cluster_environment
+        if self.world_size == 1 and env.main_port == 0:
+            # A one-process group needs no rendezvous, hence no port that could collide.
+            init = {"store": dist.HashStore()}
+        else:
+            # Under torchelastic this joins the agent's store instead of hosting one on rank 0.
+            init = {"init_method": f"tcp://{env.main_address}:{env.main_port}"}
+        dist.init_process_group(
+            self._backend(), rank=self.global_rank, world_size=self.world_size, timeout=self.timeout, **init
+        )
+
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def backward_sync(self, module: nn.Module, enabled: bool) -> ContextManager:
+        if enabled or not isinstance(module, DistributedDataParallel):
+            return nullcontext()
+        return module.no_sync()
+
+    # -- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce `tensor` over all processes. 'mean' divides a sum; integer tensors come back as floats."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_NAMES
+        op = _resolve_op(reduce_op)
+        if mean and not (tensor.is_floating_point() or tensor.is_complex()):
+            # gloo has no average and integer division would truncate: reduce as float instead.
+            tensor = tensor.double()
+        else:
+            tensor = tensor.clone()
+        dist.all_reduce(tensor, op=op, group=group)
+        if mean:
+            tensor = tensor / dist.get_world_size(group)
+        return tensor
+
+    def reduce(self, collection: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.all_reduce(collection, *args, **kwargs)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True when every process (all=True) or any process (all=False) decided True."""
+        votes = self.all_reduce(torch.tensor(int(bool(decision)), device=self.root_device), reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes > 0)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _resolve_op(reduce_op: Any) -> Any:
+    if reduce_op is None:
+        return dist.ReduceOp.SUM
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        if name in _MEAN_NAMES:
+            return dist.ReduceOp.SUM
+        if name not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op={reduce_op!r} is not one of {', '.join((*_MEAN_NAMES, *_REDUCE_OPS))}")
+        return _REDUCE_OPS[name]
+    return reduce_op

@@ -1,0 +1,136 @@
+"""The strategy interface the training loop calls, with the single-process behaviour as its default."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from runner.accelerators import Accelerator, CPUAccelerator
+from runner.checkpoint_io import CheckpointIO, TorchCheckpointIO
+from runner.precision import Precision
+
+T = TypeVar("T")
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a (nested) batch to `device`, keeping the container types."""
+    non_blocking = device.type == "cuda"
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+class Strategy:
+    """One process, one device. Subclasses override what changes with more devices or processes."""
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+    ) -> None:
+        self.accelerator = accelerator or CPUAccelerator()
+        self.checkpoint_io = checkpoint_io or TorchCheckpointIO()
+        self.precision = precision or Precision()
+
+    # -- who am I -------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]:
+        return None
+
+    @property
+    def launcher(self) -> Any:
+        """What starts this strategy's processes; None when this process is the only one, or they exist already."""
+        return None
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self.accelerator.setup_device(self.root_device)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        module.to(self.root_device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None) -> Any:
+        return move_to_device(batch, device or self.root_device)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The module as the user built it, whatever wrapper `setup_module` put around it."""
+        return module
+
+    # -- steps ----------------------------------------------------------------------------------
+    def training_step(self, module: nn.Module, *args: Any) -> Any:
+        return module(*args)
+
+    def validation_step(self, module: nn.Module, *args: Any) -> Any:
+        return self.unwrap(module)(*args)
+
+    def backward_sync(self, module: nn.Module, enabled: bool) -> ContextManager:
+        """Context for a backward pass; `enabled=False` skips gradient sync (accumulation micro-steps)."""
+        return nullcontext()
+
+    # -- collectives (identity for one process) -------------------------------------------------
+    def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def reduce(self, collection: Any, *args: Any, **kwargs: Any) -> Any:
+        return collection
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        return None
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict, path: Any) -> None:
+        """Rank 0 writes through the checkpoint IO; every rank waits until it is written."""
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path: Any) -> dict:
+        return self.checkpoint_io.load_checkpoint(path, map_location="cpu")
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()

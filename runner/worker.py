@@ -1,0 +1,155 @@
+"""One training process: build the components from a resolved config, train, tear down.
+
+Runs in the Hydra process itself for one device (or under torchrun/srun), and as the entry point of each
+process the launcher starts. It never re-enters `@hydra.main`, so a worker never sees a sweep's arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runner import instantiate as build
+from runner.data import train_loader, val_loader
+from runner.loop import Loop
+from runner.task import TaskModule
+
+log = logging.getLogger("runner")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = deterministic
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; the loop stops at the next step where the processes agree, after a checkpoint."""
+
+    def __init__(self) -> None:
+        self.signal = 0
+
+    def __call__(self) -> bool:
+        return self.signal != 0
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        log.warning("received %s: stopping at the next log step, after saving last.ckpt",
+                    signal.Signals(signum).name)
+
+    @contextmanager
+    def installed(self) -> Iterator["StopRequest"]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def configure_logging(run_dir: Path, rank: int) -> None:
+    """runner.log for rank 0, rank_<k>.log for the others; only rank 0 talks on the console below warnings."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = "runner.log" if rank == 0 else f"rank_{rank}.log"
+    file_handler = logging.FileHandler(run_dir / name)
+    file_handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s" if rank else "%(message)s"))
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root = logging.getLogger()
+    root.handlers = [file_handler, console]
+    root.setLevel(logging.INFO)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        items: dict[str, Any] = {}
+        for key, value in tree.items():
+            items.update(flatten(value, f"{prefix}{key}."))
+        return items
+    return {prefix[:-1]: tree}
+
+
+def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True) -> dict:
+    """Train one process's share of the job described by the resolved `cfg`."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    strategy = build.build_strategy(cfg)
+    strategy.setup_environment()
+    try:
+        # Under torchrun every rank ran Hydra on its own; rank 0's run folder and checkpoint are the job's.
+        run_dir, ckpt_path = strategy.broadcast((str(run_dir), ckpt_path))
+        run_dir = Path(run_dir)
+        if own_logging or strategy.global_rank != 0:
+            configure_logging(run_dir, strategy.global_rank)
+        with StopRequest().installed() as stop:
+            return _train(cfg, strategy, run_dir, ckpt_path, stop)
+    finally:
+        strategy.teardown()
+
+
+def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopRequest) -> dict:
+    from omegaconf import OmegaConf
+
+    seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    precision = strategy.precision
+    with precision.module_init_context():
+        model = build.build_model(cfg)
+    task = TaskModule(precision.convert_module(model), build.build_loss(cfg), precision)
+    strategy.module_to_device(task)
+    wrapped = strategy.setup_module(task)
+    optimizer = build.build_optimizer(cfg, model.parameters())
+    data = build.build_data(cfg)
+    sampler_kwargs = strategy.distributed_sampler_kwargs
+    logger = build.build_logger(cfg, run_dir, strategy.is_global_zero)
+    loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer),
+                train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed),
+                logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)))
+    ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
+    if ckpt_path:
+        log.info("resuming from %s", ckpt_path)
+        loop.load_state_dict(strategy.load_checkpoint(ckpt_path))
+    try:
+        return loop.run()
+    finally:
+        logger.finalize()
+
+
+def _restart_checkpoint(run_dir: Path) -> Any:
+    """After torchelastic restarted the workers, they continue from the job's own last checkpoint."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return str(last) if restarted and last.exists() else None
+
+
+@record
+def run_from_file(config_file: str, run_dir: str) -> None:
+    """Entry point of a launched worker: the resolved config was written by the parent."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(config_file)
+    ckpt_path = cfg.trainer.get("ckpt_path")
+    run(cfg, run_dir, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    run_from_file(sys.argv[1], sys.argv[2])
