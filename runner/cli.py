@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import sys
@@ -23,6 +24,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
+_main_pid: Optional[int] = None
 
 
 def _external_rank() -> int:
@@ -53,23 +55,34 @@ def _report(error: BaseException) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> Optional[float]:
+    """One Hydra job. Returns the objective (`cfg.objective`) so sweeper plugins can optimise it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from runner import job
+    from runner import job, sweep
 
     hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    fit = functools.partial(job.fit, own_logging=False)
     try:
-        metrics = job.fit(cfg, hydra_cfg.runtime.output_dir, own_logging=False)
-    except Exception as error:  # noqa: BLE001 - every failure becomes one message and a non-zero exit
+        metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
+    except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
         if not _expected(error):
             raise
         _report(error)
         if not multirun:
             sys.exit(1)
-        failed_jobs.append(hydra_cfg.runtime.output_dir)
+        if os.getpid() != _main_pid:  # a parallel launcher's worker: let the launcher see the failure
+            raise
+        failed_jobs.append(str(job_dir))
         return None
+    if metrics.get("stopped_early"):
+        print(f"error: stopped by a signal at step {metrics.get('step')}; resume with "
+              f"trainer.ckpt_path={job_dir / 'checkpoints' / 'last.ckpt'}", file=sys.stderr)
+        if not multirun:
+            sys.exit(1)
+        failed_jobs.append(str(job_dir))
     return metrics.get(cfg.objective)
 
 
@@ -83,6 +96,8 @@ def _expected(error: BaseException) -> bool:
 
 
 def main() -> None:
+    global _main_pid
+    _main_pid = os.getpid()
     _quiet_secondary_rank()
     hydra_main()
     if failed_jobs:

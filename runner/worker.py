@@ -101,10 +101,22 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True)
         run_dir = Path(run_dir)
         if own_logging or strategy.global_rank != 0:
             configure_logging(run_dir, strategy.global_rank)
+        _check_same_config(cfg, strategy)
         with StopRequest().installed() as stop:
             return _train(cfg, strategy, run_dir, ckpt_path, stop)
     finally:
         strategy.teardown()
+
+
+def _check_same_config(cfg: Any, strategy: Any) -> None:
+    """Every rank must train the job rank 0 trains (a sweep's ranks must never mix jobs' values)."""
+    from runner.sweep import config_hash
+
+    mine = config_hash(cfg)
+    log.info("config hash %s", mine)
+    reference = strategy.broadcast(mine)
+    if mine != reference:
+        raise RuntimeError(f"rank {strategy.global_rank} has config {mine} but rank 0 has {reference}")
 
 
 def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopRequest) -> dict:

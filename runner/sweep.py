@@ -1,0 +1,120 @@
+"""Sweeps: each job of `python -m runner -m ...` is a full run; finished jobs are skipped, stopped ones resumed,
+and the sweep folder keeps a summary table of every job."""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import hashlib
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("runner")
+STATUS_FILE = ".hydra/job_status.json"
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """What makes a job the same job again: its resolved config, wherever it resumes from."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved.pop("hydra", None)
+    resolved.get("trainer", {}).pop("ckpt_path", None)
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished_metrics(job_dir: Path, digest: str) -> Optional[dict]:
+    """The metrics of this job from an earlier run of the same sweep, if it finished with the same config."""
+    try:
+        status = json.loads((job_dir / STATUS_FILE).read_text())
+        metrics = json.loads((job_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if status.get("status") == "ok" and status.get("config_hash") == digest and not metrics.get("stopped_early"):
+        return metrics
+    return None
+
+
+def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., dict]) -> dict:
+    """Run (or skip, or resume) one job and record its outcome in the job folder and the sweep summary.
+
+    Raises what `fit` raised, after recording the job as failed.
+    """
+    digest = config_hash(cfg)
+    metrics = finished_metrics(job_dir, digest)
+    if metrics is not None:
+        log.info("job %s finished in an earlier run of this sweep: skipped", job_dir.name)
+        _write_summary(sweep_dir)
+        return metrics
+    last = job_dir / "checkpoints" / "last.ckpt"
+    if cfg.trainer.ckpt_path is None and last.exists():
+        cfg.trainer.ckpt_path = str(last)  # an earlier run of this sweep stopped this job: continue it
+    start = time.time()
+    status: dict[str, Any] = {"config_hash": digest}
+    try:
+        metrics = fit(cfg, job_dir)
+        status["status"] = "failed" if metrics.get("stopped_early") else "ok"
+        return metrics
+    except BaseException as error:
+        status.update(status="failed", error=str(error).splitlines()[0] if str(error) else type(error).__name__)
+        raise
+    finally:
+        status["wall_time_s"] = round(time.time() - start, 2)
+        (job_dir / STATUS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (job_dir / STATUS_FILE).write_text(json.dumps(status, indent=2) + "\n")
+        _write_summary(sweep_dir)
+
+
+def _job_rows(sweep_dir: Path) -> list[dict]:
+    rows = []
+    for status_file in sweep_dir.glob("*/" + STATUS_FILE):
+        job_dir = status_file.parent.parent
+        status = json.loads(status_file.read_text())
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.load(overrides_file) if overrides_file.exists() else []
+        try:
+            metrics = json.loads((job_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            metrics = {}
+        row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": status["status"],
+               "wall_time_s": status.get("wall_time_s", "")}
+        row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        row["error"] = status.get("error", "")
+        rows.append(row)
+    return sorted(rows, key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
+
+
+def _write_summary(sweep_dir: Path) -> None:
+    """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / ".summary.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rows = _job_rows(sweep_dir)
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        columns.append(columns.pop(columns.index("error")))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        _replace(sweep_dir / "summary.csv", buffer.getvalue())
+        _replace(sweep_dir / "summary.md", _markdown(rows, columns))
+
+
+def _markdown(rows: list[dict], columns: list[str]) -> str:
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
