@@ -144,9 +144,19 @@ def _check_data(cfg: DictConfig) -> Iterator[str]:
         yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
 
 
+def _check_scheduler(cfg: DictConfig) -> Iterator[str]:
+    # scheduler=cosine takes T_max from trainer.max_steps, whose default -1 would leave the rate constant.
+    scheduler = cfg.get("scheduler")
+    t_max = scheduler.get("T_max") if OmegaConf.is_dict(scheduler) else None
+    if t_max is not None and not (_is_int(t_max) and t_max >= 1):
+        yield (f"scheduler.T_max={t_max} must be a positive number of optimizer steps; it follows "
+               "trainer.max_steps by default, so set trainer.max_steps (or scheduler.T_max)")
+
+
 def check_static(cfg: DictConfig) -> list[str]:
     """Problems that need no hardware look-up: types, ranges, importable targets."""
     problems = list(_check_trainer(cfg.trainer))
     problems += _check_data(cfg)
+    problems += _check_scheduler(cfg)
     problems += _check_targets(cfg)
     return problems

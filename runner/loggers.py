@@ -30,6 +30,8 @@ class TensorBoardLogger:
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
         self._writer: Any = None
+        self._last_step = 0
+        self._logged: set[str] = set()
 
     @property
     def writer(self) -> Any:
@@ -42,6 +44,8 @@ class TensorBoardLogger:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, global_step=step)
+        self._logged.update(metrics)
+        self._last_step = max(self._last_step, step)
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
         """Write HParams into the same event file (SummaryWriter.add_hparams would open a second one)."""
@@ -52,8 +56,11 @@ class TensorBoardLogger:
         file_writer = self.writer._get_file_writer()
         for summary in (experiment, session_start, session_end):
             file_writer.add_summary(summary)
+        # HParams reads each metric from the scalar series of that name. Series already logged end with
+        # the final value; writing it again at step 0 would draw a line back to the start.
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value)
+            if name not in self._logged:
+                self.writer.add_scalar(name, value, global_step=self._last_step)
 
     def finalize(self) -> None:
         if self._writer is not None:

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.config import ConfigError
+
 log = logging.getLogger("runner")
 
 # Order of the values summed over processes at a log step.
@@ -94,7 +96,7 @@ class Loop:
     def run(self) -> dict:
         s, p = self.schedule, self.progress
         if s.batches_per_epoch < 1:
-            raise ValueError(self._too_few_batches())
+            raise ConfigError([self._too_few_batches()])
         self._announce()
         self._tick = time.perf_counter()
         stopped = False
@@ -223,11 +225,11 @@ class Loop:
         per_batch = self.train.batch_size * self.strategy.world_size
         samples = checkpoint.get("samples_in_epoch", 0)
         if samples % per_batch:
-            raise ValueError(
-                f"the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, which is not a whole "
-                f"number of batches of {per_batch} (data.batch_size x processes); resume with the same global batch "
-                f"({checkpoint.get('global_batch_size')})"
-            )
+            raise ConfigError([
+                f"trainer.ckpt_path: the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, "
+                f"which is not a whole number of batches of {per_batch} (data.batch_size x processes); resume "
+                f"with the same global batch ({checkpoint.get('global_batch_size')})"
+            ])
         self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])

@@ -60,7 +60,7 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
         status["status"] = "failed" if metrics.get("stopped_early") else "ok"
         return metrics
     except BaseException as error:
-        status.update(status="failed", error=str(error).splitlines()[0] if str(error) else type(error).__name__)
+        status.update(status="failed", error=" ".join(str(error).split())[:500] or type(error).__name__)
         raise
     finally:
         status["wall_time_s"] = round(time.time() - start, 2)

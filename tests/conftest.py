@@ -1,0 +1,110 @@
+"""Shared fixtures: configs composed with Hydra's compose API, and clean global state around every test."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+from runner.config import register_configs, register_resolvers
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+
+# A run of a few milliseconds per step on one CPU process, small enough for dozens of runs per test file.
+TINY = (
+    "accelerator=cpu",
+    "strategy=single",
+    "cluster=local",
+    "trainer.devices=1",
+    "trainer.max_steps=3",
+    "trainer.max_epochs=-1",
+    "trainer.log_every_n_steps=1",
+    "data.num_samples=256",
+    "data.val_samples=64",
+    "data.batch_size=16",
+    "data.num_features=8",
+    "model.hidden=16",
+    "logger.flush_secs=1",
+)
+
+# Variables that would make the runner think torchrun or SLURM started it.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "LOCAL_WORLD_SIZE", "HYDRA_FULL_ERROR")
+
+
+def clean_environ() -> dict[str, str]:
+    """os.environ without launcher, torchrun or SLURM variables: what a user's plain shell looks like."""
+    return {k: v for k, v in os.environ.items()
+            if k not in LAUNCHER_VARIABLES and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `python -m runner <overrides>` would run (without the `hydra` node)."""
+    register_resolvers()
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def make_cfg() -> Callable[..., DictConfig]:
+    """`make_cfg("optimizer=sgd", ...)`: the tiny CPU config with extra overrides (later ones win)."""
+
+    def make(*overrides: str) -> DictConfig:
+        return compose_config([*TINY, *overrides])
+
+    return make
+
+
+@pytest.fixture
+def cfg(make_cfg: Callable[..., DictConfig]) -> DictConfig:
+    return make_cfg()
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start as a plain local process even when the suite itself runs under torchrun or srun."""
+    for key in os.environ:
+        if key in LAUNCHER_VARIABLES or key.startswith(("TORCHELASTIC_", "SLURM_")):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_process_group():
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Runs configure the root logger (run-folder log files) and torch flags; put both back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dtype = torch.get_default_dtype()
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers, root.level = handlers, level
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_default_dtype(dtype)
+    GlobalHydra.instance().clear()

@@ -1,0 +1,124 @@
+"""Sweeps: every job a full multi-process run in its own folder, a summary table, failures and re-runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY = ["data.num_samples=512", "data.val_samples=100", "trainer.log_every_n_steps=5"]
+
+
+def runner(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_summary(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def config_hashes(log_file: Path) -> set[str]:
+    return set(re.findall(r"config hash ([0-9a-f]+)", log_file.read_text()))
+
+
+def test_ddp_sweep_gives_each_job_its_own_full_run(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner("-m", "optimizer.lr=0.1,0.01", "strategy=ddp", "accelerator=cpu", "trainer.devices=2",
+                    "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+    lrs = []
+    for job in ("0", "1"):
+        job_dir = sweep / job
+        assert len(list((job_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+        assert "val/loss" in json.loads((job_dir / "metrics.json").read_text())
+        lrs.append(yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())["optimizer"]["lr"])
+        # Both ranks of a job trained the same config (each checks it against rank 0's at start-up).
+        hashes = config_hashes(job_dir / "runner.log") | config_hashes(job_dir / "rank_1.log")
+        assert len(hashes) == 1
+    assert lrs == [0.1, 0.01]
+    assert config_hashes(sweep / "0" / "runner.log") != config_hashes(sweep / "1" / "runner.log")
+    rows = read_summary(sweep)
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert all(r["status"] == "ok" and float(r["val/loss"]) > 0 for r in rows)
+    assert "optimizer.lr=0.1" in rows[0]["overrides"]
+    assert "| job |" in (sweep / "summary.md").read_text()
+
+
+def test_failed_job_is_recorded_and_others_still_run(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    # data.batch_size=0 fails validation in its job only.
+    result = runner("-m", "data.batch_size=0,32", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY,
+                    cwd=tmp_path)
+    assert result.returncode == 1
+    assert "data.batch_size=0" in result.stderr and "Traceback" not in result.stderr
+    rows = {r["job"]: r for r in read_summary(sweep)}
+    assert rows["0"]["status"] == "failed" and "data.batch_size" in rows["0"]["error"]
+    assert rows["1"]["status"] == "ok"
+    assert (sweep / "1" / "metrics.json").exists()
+
+
+def test_rerunning_a_finished_sweep_trains_nothing(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ("-m", "optimizer.lr=0.1,0.01", "trainer.max_steps=5", f"hydra.sweep.dir={sweep}", *TINY)
+    assert runner(*args, cwd=tmp_path).returncode == 0
+    checkpoints = {p: p.stat().st_mtime_ns for p in sweep.glob("*/checkpoints/last.ckpt")}
+    again = runner(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("skipped") + again.stdout.count("skipped") == 2
+    assert {p: p.stat().st_mtime_ns for p in sweep.glob("*/checkpoints/last.ckpt")} == checkpoints
+    assert len(read_summary(sweep)) == 2
+
+
+def test_unfinished_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    first = runner("-m", "optimizer.lr=0.1", "trainer.max_steps=4", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    # The same job asked for more steps is not "finished": it continues from step 4.
+    second = runner("-m", "optimizer.lr=0.1", "trainer.max_steps=8", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in (sweep / "0" / "runner.log").read_text()
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["step"] == 8
+
+
+def test_sweep_preset_runs_as_a_sweep(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner("experiment=lr_sweep", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len(read_summary(sweep)) == 3
+
+
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("hydra_plugins.hydra_joblib_launcher"),
+    reason="needs the sweep extra (hydra-joblib-launcher)",
+)
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.1,0.01",
+                    "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [r["status"] for r in read_summary(sweep)] == ["ok", "ok"]
+
+
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("hydra_plugins.hydra_submitit_launcher"),
+    reason="needs the sweep extra (hydra-submitit-launcher)",
+)
+def test_submitit_local_launcher_runs_ddp_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner("-m", "hydra/launcher=submitit_local", "optimizer.lr=0.1,0.01", "strategy=ddp",
+                    "accelerator=cpu", "trainer.devices=2", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY,
+                    cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [r["status"] for r in read_summary(sweep)] == ["ok", "ok"]
+    assert (sweep / "1" / "rank_1.log").exists()
