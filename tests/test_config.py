@@ -1,0 +1,199 @@
+"""Every option of every config group composes, validates and builds; bad settings give the message users see."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from hydra.utils import get_method
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from runner.config import ConfigError, unique_dir
+from runner.data import train_loader
+from runner.instantiate import (build_data, build_logger, build_loss, build_model, build_optimizer,
+                                build_scheduler, build_strategy, validate)
+from runner.strategies import Strategy
+from conftest import CONF_DIR, compose_config
+
+CUDA = torch.cuda.is_available()
+
+
+def all_options() -> list[tuple[str, str]]:
+    """(group, option) for every option file under conf/, so a new file is tested without editing this list."""
+    return sorted((group.name, path.stem) for group in CONF_DIR.iterdir() if group.is_dir()
+                  for path in group.glob("*.yaml"))
+
+
+# Options that cannot run on a machine without a GPU, and the message they must give there instead.
+NEEDS_CUDA = {
+    ("accelerator", "cuda"): "accelerator=cuda but no CUDA device is available here",
+    ("precision", "16-mixed"): "precision=16-mixed needs accelerator=cuda",
+}
+
+# Options that read who started the processes from the environment: one process, rank 0.
+ENVIRONMENTS = {
+    "torchelastic": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "test"},
+    "slurm": {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+              "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_NODELIST": "node1"},
+}
+
+
+def test_the_option_list_covers_every_group() -> None:
+    groups = {group for group, _ in all_options()}
+    assert {"strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "optimizer",
+            "scheduler", "logger", "loss", "trainer", "experiment"} <= groups
+    assert {"auto", "single", "dp", "ddp"} <= {o for g, o in all_options() if g == "strategy"}
+
+
+def _assert_built_as_targeted(obj: object, node: DictConfig) -> None:
+    """A `_target_` that names a class yields an instance of it (factories such as auto_* may pick one)."""
+    target = get_method(node._target_)
+    if inspect.isclass(target):
+        assert isinstance(obj, target), f"{node._target_} built a {type(obj).__name__}"
+
+
+@pytest.mark.parametrize(("group", "option"), all_options(), ids=[f"{g}={o}" for g, o in all_options()])
+def test_option_composes_validates_and_builds(group: str, option: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in ENVIRONMENTS.get(option if group == "cluster" else "", {}).items():
+        monkeypatch.setenv(key, value)
+    # max_steps: scheduler=cosine decays over it, and it must be set for that option to validate.
+    cfg = compose_config([f"{group}={option}", "trainer.max_steps=10"])
+    if group != "experiment":  # experiments are `# @package _global_` presets: they have no node of their own
+        assert cfg[group] is not None
+    if (group, option) in NEEDS_CUDA and not CUDA:
+        with pytest.raises(ConfigError, match=NEEDS_CUDA[group, option]):
+            validate(cfg)
+        return
+    validate(cfg)
+    strategy = build_strategy(cfg)
+    try:
+        assert isinstance(strategy, Strategy)
+        model = build_model(cfg)
+        data = build_data(cfg)
+        optimizer = build_optimizer(cfg, model.parameters())
+        scheduler = build_scheduler(cfg, optimizer)
+        loss_fn = build_loss(cfg)
+        logger = build_logger(cfg, tmp_path, enabled=True)
+        built = {"strategy": strategy, "model": model, "data": data, "loss": loss_fn, "logger": logger,
+                 "optimizer": optimizer, "scheduler": scheduler}
+        if group in built and not cfg[group].get("_partial_", False):
+            _assert_built_as_targeted(built[group], cfg[group])
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+        # The pieces fit together: one batch of the data through the model and the loss.
+        inputs, targets = next(iter(train_loader(data, None, seed=0)))
+        loss = loss_fn(model(inputs), targets)
+        assert loss.ndim == 0 and torch.isfinite(loss)
+        logger.finalize()
+    finally:
+        strategy.teardown()
+
+
+def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
+    validate(cfg)
+    assert cfg.accelerator._target_.endswith("CPUAccelerator")
+    assert cfg.trainer.max_steps == 3 and cfg.data.batch_size == 16
+    # Interpolations follow the data: the model's input width is the data's feature count.
+    assert cfg.model.in_features == cfg.data.num_features == 8
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.devices=abc"], "trainer.devices=abc is not allowed"),
+    (["trainer.devices=0"], "trainer.devices=0 is not allowed"),
+    (["trainer.devices=[0,-1]"], "trainer.devices=[0, -1] is not allowed"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes=0 must be a positive integer"),
+    (["cluster=local", "trainer.num_nodes=2"], "trainer.num_nodes=2 needs processes started by a cluster"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be a positive integer"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer, or -1"),
+    (["trainer.max_epochs=-1", "trainer.max_steps=-1"], "would train forever"),
+    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0.0 must be positive"),
+    (["trainer.ckpt_every_n_steps=0"], "trainer.ckpt_every_n_steps=0 must be a positive integer"),
+    (["trainer.limit_train_batches=1.5"], "trainer.limit_train_batches=1.5 is not allowed"),
+    (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 is not allowed"),
+    (["trainer.val_check_interval=0.0"], "trainer.val_check_interval=0.0 is not allowed"),
+    (["trainer.fast_dev_run=-1"], "trainer.fast_dev_run=-1 must be true, false or a number"),
+    (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
+    (["model._target_=nope.Model"], "model._target_=nope.Model cannot be imported"),
+    (["optimizer._target_=torch.optim.Nope"], "optimizer._target_=torch.optim.Nope cannot be imported"),
+    (["scheduler=cosine", "trainer.max_steps=-1"], "scheduler.T_max=-1 must be a positive number"),
+    (["accelerator=cpu", "precision=16-mixed"], "precision=16-mixed needs accelerator=cuda"),
+    (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),
+    (["accelerator=cpu", "strategy=dp", "trainer.devices=2"], "needs accelerator=cuda for strategy=dp"),
+    (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread is not allowed"),
+    (["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0 must be a positive number"),
+])
+def test_bad_setting_names_the_key(overrides: list[str], message: str) -> None:
+    cfg = compose_config(["trainer.max_steps=10", *overrides])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert message in str(error.value)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    cfg = compose_config(["trainer.devices=abc", "data.batch_size=0", "trainer.gradient_clip_val=-1"])
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert len(error.value.problems) == 3
+    assert str(error.value).startswith("invalid config (3 problems):")
+
+
+def test_cuda_without_a_gpu_names_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="accelerator=cuda but no CUDA device is available"):
+        validate(compose_config(["accelerator=cuda"]))
+
+
+@pytest.mark.parametrize(("option", "world_size"), [("torchelastic", "2"), ("slurm", "3")])
+def test_external_launch_must_match_devices_times_nodes(option: str, world_size: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    size_key = "WORLD_SIZE" if option == "torchelastic" else "SLURM_NTASKS"
+    for key, value in {**ENVIRONMENTS[option], size_key: world_size}.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_config([f"cluster={option}", "accelerator=cpu", "trainer.devices=1"])
+    with pytest.raises(ConfigError, match=f"= 1 processes, but .* started {world_size}"):
+        validate(cfg)
+
+
+def test_missing_and_corrupt_checkpoints_name_the_key(cfg: DictConfig, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="trainer.ckpt_path=/missing.ckpt: checkpoint not found"):
+        validate(cfg, "/missing.ckpt")
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(ConfigError, match=f"trainer.ckpt_path={corrupt}: cannot load checkpoint"):
+        validate(cfg, corrupt)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(ConfigError, match="is not a runner checkpoint: it lacks model, optimizer, step"):
+        validate(cfg, foreign)
+
+
+@pytest.mark.parametrize(("override", "error"), [
+    ("strategy=nonexistent", ConfigCompositionException),
+    ("trainer.devicez=2", ConfigCompositionException),
+    ("trainer.max_steps=abc", (ConfigCompositionException, ValidationError)),
+])
+def test_unknown_option_or_key_fails_to_compose(override: str, error: type) -> None:
+    with pytest.raises(error):
+        compose_config([override])
+
+
+def test_schema_rejects_keys_outside_trainer_schema() -> None:
+    cfg = compose_config()
+    with pytest.raises(ConfigKeyError):
+        cfg.trainer.devicez = 2
+
+
+def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None:
+    taken = tmp_path / "12-00-00"
+    taken.mkdir()
+    first = unique_dir(str(taken))
+    assert first == f"{taken}-1" and Path(first).is_dir()
+    # Hydra resolves the run dir more than once per run: the same answer each time.
+    assert unique_dir(str(taken)) == first
+    assert unique_dir(str(tmp_path / "12-00-01")) == str(tmp_path / "12-00-01")
