@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -47,6 +48,21 @@ def _quiet_secondary_rank() -> None:
     atexit.register(shutil.rmtree, scratch, True)
     sys.argv += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
                  "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+_NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
+
+
+def _quote_numeric_choices(argv: list[str]) -> list[str]:
+    """`precision=16` reaches Hydra as an int and fails with a traceback; quoted, Hydra lists the options."""
+    groups = {p.name for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in groups:
+            value = ",".join(f"'{v}'" if _NUMBER.fullmatch(v) else v for v in value.split(","))
+        quoted.append(f"{key}{sep}{value}")
+    return quoted
 
 
 def _report(error: BaseException) -> None:
@@ -98,6 +114,7 @@ def _expected(error: BaseException) -> bool:
 def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
+    sys.argv[1:] = _quote_numeric_choices(sys.argv[1:])
     _quiet_secondary_rank()
     hydra_main()
     if failed_jobs:

@@ -6,8 +6,9 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
 from hydra.utils import get_method, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError, check_static
 
@@ -105,6 +106,21 @@ def _check_components(cfg: DictConfig) -> Iterator[str]:
     yield from instantiate(cfg.cluster).validate_settings(len(indices), cfg.trainer.num_nodes)
 
 
+def _check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
+    """float16 rounds an epsilon below ~3e-8 to 0; Adam-style updates then divide by zero and the loss turns NaN."""
+    optimizer = cfg.get("optimizer")
+    if cfg.precision.get("precision") != "16-true" or not OmegaConf.is_dict(optimizer) or "_target_" not in optimizer:
+        return
+    eps = optimizer.get("eps")
+    if eps is None:
+        default = inspect.signature(get_method(optimizer._target_)).parameters.get("eps")
+        eps = default.default if default is not None else None
+    if isinstance(eps, (int, float)) and eps > 0 and torch.tensor(eps, dtype=torch.float16).item() == 0:
+        key = "optimizer.eps" if "eps" in optimizer else "+optimizer.eps"
+        yield (f"precision=16-true with optimizer eps={eps}: float16 rounds it to 0, so the first updates "
+               f"overflow; set {key}=1e-4, or use precision=bf16-true or bf16-mixed")
+
+
 def _check_checkpoint(path: Any) -> Iterator[str]:
     from runner.checkpoint_io import CheckpointError, TorchCheckpointIO
 
@@ -123,6 +139,7 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     problems = check_static(cfg)
     if not problems:  # component checks build objects, which needs importable, well-typed settings
         problems += _check_components(cfg)
+        problems += _check_half_optimizer(cfg)
     if ckpt_path is not None:
         problems += _check_checkpoint(ckpt_path)
     if problems:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -108,3 +108,22 @@ def _restore_global_state():
     torch.use_deterministic_algorithms(deterministic)
     torch.set_default_dtype(dtype)
     GlobalHydra.instance().clear()
+
+
+def load_checkpoint(run_dir: Path, name: str = "last.ckpt") -> dict:
+    return torch.load(Path(run_dir) / "checkpoints" / name, map_location="cpu", weights_only=True)
+
+
+def read_events(run_dir: Path) -> Any:
+    """The run's single TensorBoard event file (an EventAccumulator), every scalar kept."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((Path(run_dir) / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1, f"expected one event file, found {files}"
+    events = EventAccumulator(str(files[0]), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def scalar_steps(run_dir: Path, tag: str) -> list[int]:
+    return [event.step for event in read_events(run_dir).Scalars(tag)]

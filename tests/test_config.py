@@ -10,7 +10,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from runner.config import ConfigError, unique_dir
 from runner.data import train_loader
@@ -33,6 +33,9 @@ NEEDS_CUDA = {
     ("accelerator", "cuda"): "accelerator=cuda but no CUDA device is available here",
     ("precision", "16-mixed"): "precision=16-mixed needs accelerator=cuda",
 }
+
+# What an option needs beside it to run: float16 parameters need an Adam epsilon that float16 can hold.
+COMPANIONS = {("precision", "16-true"): ["++optimizer.eps=1e-4"]}
 
 # Options that read who started the processes from the environment: one process, rank 0.
 ENVIRONMENTS = {
@@ -63,7 +66,7 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
     for key, value in ENVIRONMENTS.get(option if group == "cluster" else "", {}).items():
         monkeypatch.setenv(key, value)
     # max_steps: scheduler=cosine decays over it, and it must be set for that option to validate.
-    cfg = compose_config([f"{group}={option}", "trainer.max_steps=10"])
+    cfg = compose_config([f"{group}={option}", "trainer.max_steps=10", *COMPANIONS.get((group, option), [])])
     if group != "experiment":  # experiments are `# @package _global_` presets: they have no node of their own
         assert cfg[group] is not None
     if (group, option) in NEEDS_CUDA and not CUDA:
@@ -123,6 +126,7 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["optimizer._target_=torch.optim.Nope"], "optimizer._target_=torch.optim.Nope cannot be imported"),
     (["scheduler=cosine", "trainer.max_steps=-1"], "scheduler.T_max=-1 must be a positive number"),
     (["accelerator=cpu", "precision=16-mixed"], "precision=16-mixed needs accelerator=cuda"),
+    (["precision=16-true"], "precision=16-true with optimizer eps=1e-08: float16 rounds it to 0"),
     (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),
     (["accelerator=cpu", "strategy=dp", "trainer.devices=2"], "needs accelerator=cuda for strategy=dp"),
     (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread is not allowed"),
@@ -185,7 +189,7 @@ def test_unknown_option_or_key_fails_to_compose(override: str, error: type) -> N
 
 def test_schema_rejects_keys_outside_trainer_schema() -> None:
     cfg = compose_config()
-    with pytest.raises(ConfigKeyError):
+    with pytest.raises(ConfigAttributeError, match="Key .devicez. not in .TrainerConfig."):
         cfg.trainer.devicez = 2
 
 

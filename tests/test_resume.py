@@ -1,0 +1,80 @@
+"""Exact resume: 10 steps, then 10 more from last.ckpt, end with the weights of 20 straight steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from omegaconf import DictConfig
+
+import runner
+from conftest import load_checkpoint
+from runner.config import ConfigError
+
+MakeCfg = Callable[..., DictConfig]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    first, second = load_checkpoint(a), load_checkpoint(b)
+    assert (first["step"], first["epoch"]) == (second["step"], second["epoch"])
+    assert first["model"].keys() == second["model"].keys()
+    for name, tensor in second["model"].items():
+        torch.testing.assert_close(first["model"][name], tensor, rtol=0, atol=1e-6, msg=f"model.{name} differs")
+    assert first["optimizer"]["param_groups"][0]["lr"] == pytest.approx(second["optimizer"]["param_groups"][0]["lr"])
+
+
+@pytest.mark.parametrize("overrides", [
+    # 160 samples / batch 16: 10 steps per epoch, so the stop falls on an epoch boundary.
+    ("data.num_samples=160", "optimizer=sgd"),
+    # 256 / 16: 16 steps per epoch, so the stop falls mid-epoch and the resumed epoch must skip 10 batches.
+    ("data.num_samples=256", "optimizer=sgd", "optimizer.momentum=0.9"),
+    # Optimizer state (Adam moments) and a scheduler whose rate changes every step, mid-epoch.
+    ("data.num_samples=256", "optimizer=adamw", "scheduler=cosine", "scheduler.T_max=20"),
+], ids=["epoch-boundary", "mid-epoch", "adamw-cosine"])
+def test_resume_equals_straight_run(make_cfg: MakeCfg, tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    runner.fit(make_cfg(*overrides, "trainer.max_steps=20"), run_dir=tmp_path / "straight")
+    first = runner.fit(make_cfg(*overrides, "trainer.max_steps=10"), run_dir=tmp_path / "first")
+    assert first["step"] == 10
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = runner.fit(make_cfg(*overrides, "trainer.max_steps=20", f"trainer.ckpt_path={last}"),
+                         run_dir=tmp_path / "resumed")
+    assert resumed["step"] == 20
+    assert_same_weights(tmp_path / "resumed", tmp_path / "straight")
+
+
+def test_ckpt_path_last_resumes_the_run_folders_own_checkpoint(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    runner.fit(make_cfg("trainer.max_steps=20"), run_dir=tmp_path / "straight")
+    run = tmp_path / "run"
+    runner.fit(make_cfg("trainer.max_steps=10"), run_dir=run)
+    metrics = runner.fit(make_cfg("trainer.max_steps=20", "trainer.ckpt_path=last"), run_dir=run)
+    assert metrics["step"] == 20
+    assert f"resuming from {run / 'checkpoints' / 'last.ckpt'}" in (run / "runner.log").read_text()
+    assert_same_weights(run, tmp_path / "straight")
+
+
+def test_ckpt_path_last_falls_back_to_the_newest_run_under_outputs(make_cfg: MakeCfg, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / "outputs" / "2030-01-01" / "00-00-00"
+    runner.fit(make_cfg("trainer.max_steps=10"), run_dir=earlier)
+    metrics = runner.fit(make_cfg("trainer.max_steps=12", "trainer.ckpt_path=last"),
+                         run_dir=tmp_path / "outputs" / "2030-01-01" / "00-00-01")
+    assert metrics["step"] == 12
+    assert load_checkpoint(earlier)["step"] == 10  # the earlier run's checkpoint is read, not rewritten
+
+
+def test_ckpt_path_last_without_any_checkpoint_starts_fresh(make_cfg: MakeCfg, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no outputs/ folder here
+    metrics = runner.fit(make_cfg("trainer.ckpt_path=last"), run_dir=tmp_path / "run")
+    assert metrics["step"] == 3
+
+
+def test_resume_mid_epoch_with_a_batch_that_does_not_divide_the_position(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    runner.fit(make_cfg("trainer.max_steps=5"), run_dir=tmp_path / "first")  # 5 x 16 = 80 samples into the epoch
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    cfg = make_cfg("data.batch_size=48", "trainer.max_steps=8", f"trainer.ckpt_path={last}")
+    with pytest.raises(ConfigError, match="stopped 80 samples into epoch 0, .* batches of 48"):
+        runner.fit(cfg, run_dir=tmp_path / "resumed")
