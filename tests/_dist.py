@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue as queues
 import socket
 import subprocess
 import sys
@@ -80,29 +81,40 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), tim
              for r in range(world_size)]
     for proc in procs:
         proc.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
     deadline = time.monotonic() + timeout
+    results, error = {}, "interrupted"
     try:
-        while len(results) + len(errors) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks did not finish within {timeout} s; got {sorted(results)}")
-            rank, ok, value = queue.get(timeout=remaining)
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break  # the other rank may wait forever on a collective
+        results, error = _collect(queue, procs, deadline)
     finally:
+        # After a failure the other ranks may be stuck in a collective: give them a moment, then kill them.
+        grace = 1.0 if error else max(1.0, deadline - time.monotonic())
         for proc in procs:
-            proc.join(timeout=max(1.0, deadline - time.monotonic()) if not errors else 1.0)
+            proc.join(timeout=grace)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-    if errors:
-        raise AssertionError("\n".join(errors))
+    if error:
+        raise AssertionError(error)
     return [results[r] for r in range(world_size)]
+
+
+def _collect(queue: Any, procs: list[Any], deadline: float) -> tuple[dict[int, Any], Optional[str]]:
+    """Every rank's result, or the first failure (after which the others may wait forever on a collective)."""
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - results.keys())} did not finish in time")
+        try:
+            rank, ok, value = queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                return results, f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting"
+            continue
+        if not ok:
+            return results, f"rank {rank}:\n{value}"
+        results[rank] = value
+    return results, None
 
 
 # -- the command line ------------------------------------------------------------------------------

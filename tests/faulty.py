@@ -4,28 +4,37 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
 from torch import nn
 
 # What a launched worker is promised in its environment (the launcher tests read these back).
-PROBED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+PROBED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+                    "CUBLAS_WORKSPACE_CONFIG")
 
 
 class FailOnRank1(nn.Module):
-    """A linear classifier whose training forward raises on global rank 1 at its `fail_at_step`-th call."""
+    """A linear classifier whose training forward fails on global rank 1 at its `fail_at_step`-th call.
 
-    def __init__(self, in_features: int = 32, num_classes: int = 4, fail_at_step: int = 3) -> None:
+    `how`: 'raise' (a Python exception) or 'kill' (the process dies from SIGKILL, as when out of memory).
+    """
+
+    def __init__(self, in_features: int = 32, num_classes: int = 4, fail_at_step: int = 3, how: str = "raise") -> None:
         super().__init__()
+        if how not in ("raise", "kill"):
+            raise ValueError(f"model.how={how!r} is not one of raise, kill")
         self.linear = nn.Linear(in_features, num_classes)
-        self.fail_at_step = fail_at_step
+        self.fail_at_step, self.how = fail_at_step, how
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
             if os.environ.get("RANK") == "1" and self.calls >= self.fail_at_step:
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected failure at step {self.calls}")
         return self.linear(x)
 
