@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -88,16 +89,18 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
             raise
         _report(error)
         if not multirun:
-            sys.exit(1)
+            sys.exit(128 + error.signum if hasattr(error, "signum") else 1)
         if os.getpid() != _main_pid:  # a parallel launcher's worker: let the launcher see the failure
             raise
         failed_jobs.append(str(job_dir))
         return None
     if metrics.get("stopped_early"):
-        print(f"error: stopped by a signal at step {metrics.get('step')}; resume with "
-              f"trainer.ckpt_path={job_dir / 'checkpoints' / 'last.ckpt'}", file=sys.stderr)
+        signum = metrics.get("stop_signal") or 0
+        print(f"error: stopped by {signal.Signals(signum).name if signum else 'a signal'} at step "
+              f"{metrics.get('step')}; resume with trainer.ckpt_path={job_dir / 'checkpoints' / 'last.ckpt'}",
+              file=sys.stderr)
         if not multirun:
-            sys.exit(1)
+            sys.exit(128 + signum if signum else 1)
         failed_jobs.append(str(job_dir))
     return metrics.get(cfg.objective)
 
@@ -105,10 +108,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 def _expected(error: BaseException) -> bool:
     """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
     from runner.checkpoint_io import CheckpointError
-    from runner.launch import WorkerFailed
+    from runner.launch import JobStopped, WorkerFailed
     from runner.loop import NonFiniteLossError
 
-    return isinstance(error, (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError))
+    return isinstance(error, (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped))
 
 
 def main() -> None:

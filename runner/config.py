@@ -40,6 +40,8 @@ class TrainerConfig:
     seed: int = 0
     deterministic: bool = False
     fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches
+    max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
+    skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
 
 
 def register_configs() -> None:
@@ -92,6 +94,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
             yield f"trainer.{key}={t[key]} must be a positive integer, or -1 for no limit"
     if t.max_epochs == -1 and t.max_steps == -1 and not t.fast_dev_run:
         yield "trainer.max_epochs=-1 and trainer.max_steps=-1 would train forever: set one of them"
+    if not (_is_int(t.max_restarts) and t.max_restarts >= 0):
+        yield f"trainer.max_restarts={t.max_restarts} must be 0 (no restarts) or a positive integer"
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be positive, or null for no clipping"
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:

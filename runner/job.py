@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import register_resolvers, unique_dir
 from runner.instantiate import build_strategy, validate
+from runner.launch import ElasticLauncher
 
 log = logging.getLogger("runner")
 
@@ -43,6 +44,11 @@ def resolved_config(cfg: DictConfig, strategy: Any, ckpt_path: Optional[str]) ->
     return resolved
 
 
+def _external(strategy: Any) -> bool:
+    environment = getattr(strategy, "cluster_environment", None)
+    return bool(environment is not None and environment.creates_processes_externally)
+
+
 def default_run_dir() -> Path:
     register_resolvers()
     return Path(unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
@@ -61,6 +67,12 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     config_file.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(resolved), config_file)
     launcher = strategy.launcher
+    restarts = cfg.trainer.get("max_restarts", 0)
+    if launcher is None and restarts and not _external(strategy):
+        # Restarts need a supervising process: run the single worker under the launcher too.
+        launcher = ElasticLauncher(1, "popen")
+    if launcher is not None:
+        launcher.max_restarts = restarts
     if launcher is None:
         return worker.run(OmegaConf.create(resolved), run_dir, ckpt_path, own_logging=own_logging)
     log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
@@ -12,6 +13,15 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 StartMethod = Literal["popen", "spawn", "fork"]
+
+
+class JobStopped(RuntimeError):
+    """The job was asked to stop by a signal; its workers saved last.ckpt at a step boundary and exited."""
+
+    def __init__(self, signum: int, run_dir: Path) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name}; resume with trainer.ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")
 
 
 class WorkerFailed(RuntimeError):
@@ -52,6 +62,7 @@ class ElasticLauncher:
 
     def launch(self, config_file: Path, run_dir: Path, deterministic: bool = False) -> None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -82,6 +93,8 @@ class ElasticLauncher:
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
             raise WorkerFailed(rank, _describe(rank, failure)) from None
+        except SignalException as err:  # the agent already passed the signal on and waited for the workers
+            raise JobStopped(int(err.sigval), run_dir) from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 

@@ -26,6 +26,24 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class NonFiniteGuard:
+    """`trainer.skip_nonfinite_loss`: skip optimizer steps whose loss was NaN/inf on any process.
+
+    Enabled, it costs one tiny all-reduce and host sync per optimizer step; disabled, it does nothing per
+    step and a non-finite loss stops the run at the next log step.
+    """
+
+    def __init__(self, strategy: Any, enabled: bool) -> None:
+        self.strategy, self.enabled, self.skipped = strategy, enabled, 0
+
+    def skip(self, window_nonfinite: torch.Tensor) -> bool:
+        if not self.enabled:
+            return False
+        bad = bool(self.strategy.all_reduce(window_nonfinite, reduce_op="sum") > 0)
+        self.skipped += bad
+        return bad
+
+
 @dataclass
 class Progress:
     step: int = 0  # optimizer steps taken
@@ -90,6 +108,8 @@ class Loop:
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
         device = strategy.root_device
         self._sums = torch.zeros(6, dtype=torch.float64, device=device)  # since the last log step
+        self._window_nonfinite = torch.zeros((), dtype=torch.float64, device=device)  # this accumulation window
+        self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -126,23 +146,29 @@ class Loop:
         self._accumulate(out, loss)
         if not sync:
             return False
-        self.precision.unscale_gradients(self.optimizer)
-        if self.cfg.gradient_clip_val is not None:
-            torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.cfg.gradient_clip_val)
-        self.precision.optimizer_step(self.optimizer)
+        if not self.guard.skip(self._window_nonfinite):
+            self.precision.unscale_gradients(self.optimizer)
+            if self.cfg.gradient_clip_val is not None:
+                torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.cfg.gradient_clip_val)
+            self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self._window_nonfinite.zero_()
         self.scheduler.step()
         self.progress.step += 1
         return True
 
     def _accumulate(self, out: dict, loss: torch.Tensor) -> None:
         sums = self._sums
-        sums[LOSS] += out["loss_sum"].detach().sum()
-        sums[COUNT] += out["count"].sum()
+        finite = torch.isfinite(loss.detach())
+        # A skipped non-finite batch must not turn the logged mean into NaN.
+        sums[LOSS] += torch.where(finite, out["loss_sum"].detach().sum(), 0.0)
+        sums[COUNT] += torch.where(finite, out["count"].sum(), 0.0)
         if "correct" in out:
-            sums[CORRECT] += out["correct"].sum()
+            sums[CORRECT] += torch.where(finite, out["correct"].sum(), 0.0)
             sums[HAS_CORRECT] += 1
-        sums[NONFINITE] += (~torch.isfinite(loss.detach())).double()
+        nonfinite = (~finite).double()
+        sums[NONFINITE] += nonfinite
+        self._window_nonfinite += nonfinite
 
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
@@ -163,12 +189,14 @@ class Loop:
         sums = self.strategy.all_reduce(self._sums, reduce_op="sum").tolist()
         self._sums.zero_()
         elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
-        if sums[NONFINITE] > 0:
+        if sums[NONFINITE] > 0 and not self.guard.enabled:
             raise NonFiniteLossError(self._nonfinite_message())
         metrics = {"train/loss": sums[LOSS] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
                    "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
         if sums[HAS_CORRECT]:
             metrics["train/acc"] = sums[CORRECT] / max(sums[COUNT], 1)
+        if self.guard.enabled:
+            metrics["train/skipped_steps"] = float(self.guard.skipped)
         self.progress.metrics.update(metrics)
         self.logger.log_metrics(metrics, self.progress.step)
         if self.strategy.is_global_zero:

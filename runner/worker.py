@@ -103,7 +103,8 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True)
             configure_logging(run_dir, strategy.global_rank)
         _check_same_config(cfg, strategy)
         with StopRequest().installed() as stop:
-            return _train(cfg, strategy, run_dir, ckpt_path, stop)
+            result = _train(cfg, strategy, run_dir, ckpt_path, stop)
+            return {**result, "stop_signal": stop.signal} if result.get("stopped_early") else result
     finally:
         strategy.teardown()
 
@@ -149,8 +150,12 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
 def _restart_checkpoint(run_dir: Path) -> Any:
     """After torchelastic restarted the workers, they continue from the job's own last checkpoint."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return str(last) if restarted and last.exists() else None
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not restarts:
+        return None
+    log.warning("workers restarted after a failure (restart %d of trainer.max_restarts); %s", restarts,
+                "resuming from the job's last.ckpt" if last.exists() else "no last.ckpt yet: starting over")
+    return str(last) if last.exists() else None
 
 
 @record

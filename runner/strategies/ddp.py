@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from contextlib import nullcontext
 from typing import Any, ContextManager, Literal, Optional, Union
 
@@ -100,13 +101,22 @@ class DDPStrategy(Strategy):
         env = self.cluster_environment
         if self.world_size == 1 and env.main_port == 0:
             # A one-process group needs no rendezvous, hence no port that could collide.
-            init = {"store": dist.HashStore()}
+            store = dist.HashStore()
         else:
-            # Under torchelastic this joins the agent's store instead of hosting one on rank 0.
-            init = {"init_method": f"tcp://{env.main_address}:{env.main_port}"}
+            store = self._tcp_store(env.main_address, env.main_port)
         dist.init_process_group(
-            self._backend(), rank=self.global_rank, world_size=self.world_size, timeout=self.timeout, **init
+            self._backend(), store=store, rank=self.global_rank, world_size=self.world_size, timeout=self.timeout
         )
+
+    def _tcp_store(self, address: str, port: int) -> dist.Store:
+        # Under torchelastic the launcher's agent already serves the store; elsewhere rank 0 hosts it.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(address, port, self.world_size, is_master=self.global_rank == 0 and not agent_store,
+                              timeout=self.timeout)
+        # Workers restarted by torchelastic reuse the agent's store: a fresh prefix per attempt keeps them
+        # from reading the addresses the failed attempt's processes left there.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"runner/attempt_{attempt}", store)
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
