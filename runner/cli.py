@@ -29,26 +29,30 @@ failed_jobs: list[str] = []
 _main_pid: Optional[int] = None
 
 
-def _external_rank() -> int:
-    """This process's rank when torchrun or srun started all of them, else 0."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_PROCID"])
-    return 0
+def _prepare_external_launch(argv: list[str]) -> list[str]:
+    """Overrides for processes torchrun or srun started, so that all ranks of a job share one run folder.
 
-
-def _quiet_secondary_rank() -> None:
-    """Ranks > 0 started outside the runner compose the same config but write no run folder of their own.
-
-    Rank 0's folder is broadcast to them once the process group is up.
+    Under SLURM the folder is named after the job, so a requeued job finds its own checkpoints. Ranks > 0
+    compose the same config but write no folder of their own: rank 0's is broadcast to them once the
+    process group is up.
     """
-    if _external_rank() == 0 or any(a in ("--help", "-h", "--info", "--cfg", "-c") for a in sys.argv):
-        return
+    from runner.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if any(a in ("--help", "-h", "--info", "--cfg", "-c") for a in argv):
+        return argv
+    environment = next((e() for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+    if environment is None:
+        return argv
+    if isinstance(environment, SLURMEnvironment):
+        job = f"{os.environ.get('SLURM_JOB_ID', '0')}-{os.environ.get('SLURM_STEP_ID', '0')}"
+        if not any(a.startswith("hydra.run.dir=") for a in argv):
+            argv = [*argv, f"hydra.run.dir=outputs/slurm-{job}"]
+    if environment.global_rank() == 0:
+        return argv
     scratch = tempfile.mkdtemp(prefix="runner-rank-")
     atexit.register(shutil.rmtree, scratch, True)
-    sys.argv += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
-                 "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    return [*argv, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
+            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
@@ -117,8 +121,7 @@ def _expected(error: BaseException) -> bool:
 def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
-    sys.argv[1:] = _quote_numeric_choices(sys.argv[1:])
-    _quiet_secondary_rank()
+    sys.argv[1:] = _prepare_external_launch(_quote_numeric_choices(sys.argv[1:]))
     hydra_main()
     if failed_jobs:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)

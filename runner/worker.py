@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 from contextlib import contextmanager
@@ -21,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner import instantiate as build
 from runner.data import train_loader, val_loader
+from runner.environments import SLURMEnvironment
 from runner.loop import Loop
 from runner.task import TaskModule
 
@@ -53,11 +56,11 @@ class StopRequest:
                     signal.Signals(signum).name)
 
     @contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
+    def installed(self, signals: tuple = STOP_SIGNALS) -> Iterator["StopRequest"]:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        previous = {sig: signal.signal(sig, self._handle) for sig in signals}
         try:
             yield self
         finally:
@@ -102,8 +105,12 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True)
         if own_logging or strategy.global_rank != 0:
             configure_logging(run_dir, strategy.global_rank)
         _check_same_config(cfg, strategy)
-        with StopRequest().installed() as stop:
+        slurm = SLURMEnvironment.detect()
+        # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
+        with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
             result = _train(cfg, strategy, run_dir, ckpt_path, stop)
+            if stop.signal == signal.SIGUSR1 and strategy.is_global_zero:
+                _requeue_slurm_job()
             return {**result, "stop_signal": stop.signal} if result.get("stopped_early") else result
     finally:
         strategy.teardown()
@@ -147,13 +154,25 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         logger.finalize()
 
 
+def _requeue_slurm_job() -> None:
+    job_id, scontrol = os.environ.get("SLURM_JOB_ID"), shutil.which("scontrol")
+    if not (job_id and scontrol):
+        log.warning("SIGUSR1: last.ckpt saved, but the job is not requeued (scontrol or SLURM_JOB_ID missing)")
+        return
+    done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True)
+    if done.returncode:
+        log.warning("scontrol requeue %s failed: %s", job_id, (done.stderr or done.stdout).strip())
+    else:
+        log.info("requeued SLURM job %s; it resumes from last.ckpt in this run folder", job_id)
+
+
 def _restart_checkpoint(run_dir: Path) -> Any:
-    """After torchelastic restarted the workers, they continue from the job's own last checkpoint."""
+    """Workers restarted by torchelastic, or a job requeued by SLURM, continue from the run's last checkpoint."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if not restarts:
         return None
-    log.warning("workers restarted after a failure (restart %d of trainer.max_restarts); %s", restarts,
+    log.warning("restart %d of this job (torchelastic after a failure, or a SLURM requeue); %s", restarts,
                 "resuming from the job's last.ckpt" if last.exists() else "no last.ckpt yet: starting over")
     return str(last) if last.exists() else None
 

@@ -148,3 +148,33 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path: Path) -
         assert job.returncode == 0, stderr
     folders = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json")]
     assert len(folders) == 2 and folders[0] != folders[1]
+
+
+def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    scontrol.chmod(0o755)
+    slurm = {**env(), "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "127.0.0.1",
+             "SLURM_JOB_NAME": "train", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    args = [sys.executable, "-m", "runner", *TINY, "model._target_=reliability_models.Slow", "trainer.max_epochs=-1"]
+    job = subprocess.Popen([*args, "trainer.max_steps=100000"], cwd=tmp_path, env=slurm, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "outputs" / "slurm-4242-0"
+    assert wait_for(lambda: (run_dir / "runner.log").exists() and "global batch" in (run_dir / "runner.log").read_text(),
+                    60), job.communicate(timeout=5)
+    time.sleep(0.5)
+    os.kill(job.pid, signal.SIGUSR1)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGUSR1, stderr
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    stopped_at = step_of(run_dir / "checkpoints" / "last.ckpt")
+    assert stopped_at > 0
+    # SLURM starts the same command again, with SLURM_RESTART_COUNT set: it continues in the same folder.
+    again = subprocess.run([*args, f"trainer.max_steps={stopped_at + 4}"], cwd=tmp_path,
+                           env={**slurm, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((run_dir / "metrics.json").read_text())["step"] == stopped_at + 4
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242-0"]
