@@ -89,7 +89,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     try:
         metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
     except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
-        if not _expected(error):
+        if not _expected(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         _report(error)
         if not multirun:
@@ -111,11 +111,14 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
 def _expected(error: BaseException) -> bool:
     """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
+    from hydra.errors import InstantiationException
+
     from runner.checkpoint_io import CheckpointError
     from runner.launch import JobStopped, WorkerFailed
     from runner.loop import NonFiniteLossError
 
-    return isinstance(error, (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped))
+    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException)
+    return isinstance(error, known)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -44,8 +44,29 @@ class TrainerConfig:
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
 
 
+@dataclass
+class RunnerConfig:
+    """The primary config's schema: `trainer` is typed; the other groups are whatever their options hold."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: Any = None
+    accelerator: Any = None
+    precision: Any = None
+    checkpoint_io: Any = None
+    cluster: Any = None
+    model: Any = None
+    data: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    loss: Any = None
+    logger: Any = None
+    objective: str = "val/loss"  # the metric a sweep optimises
+    direction: str = "minimize"
+
+
 def register_configs() -> None:
-    ConfigStore.instance().store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    # Outside any group, so --help lists only the real options.
+    ConfigStore.instance().store(name="runner_schema", node=RunnerConfig)
 
 
 _unique_dirs: dict[str, str] = {}

@@ -49,8 +49,10 @@ class StopRequest:
         return self.signal != 0
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal:  # a second signal: stop now
-            raise KeyboardInterrupt
+        if self.signal:
+            if signum == signal.SIGINT:  # Ctrl-C twice: stop now, without a checkpoint
+                raise KeyboardInterrupt
+            return  # a repeated SIGTERM/SIGUSR1 (several senders, or a re-sent notice) changes nothing
         self.signal = signum
         log.warning("received %s: stopping at the next log step, after saving last.ckpt",
                     signal.Signals(signum).name)
@@ -177,11 +179,22 @@ def _restart_checkpoint(run_dir: Path) -> Any:
     return str(last) if last.exists() else None
 
 
+def _end_with_parent() -> None:
+    """Linux: SIGTERM this worker when its launcher dies, even by SIGKILL, so no orphan keeps training."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown still ends the workers in the usual cases
+
+
 @record
 def run_from_file(config_file: str, run_dir: str) -> None:
     """Entry point of a launched worker: the resolved config was written by the parent."""
     from omegaconf import OmegaConf
 
+    _end_with_parent()
     cfg = OmegaConf.load(config_file)
     ckpt_path = cfg.trainer.get("ckpt_path")
     run(cfg, run_dir, ckpt_path=ckpt_path)

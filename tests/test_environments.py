@@ -190,8 +190,9 @@ def test_srun_two_tasks_share_one_run_folder(tmp_path: Path) -> None:
     report = "\n".join(f"task {r}: exit {t.returncode}\nstdout:\n{o}\nstderr:\n{e}"
                        for r, (t, (o, e)) in enumerate(zip(tasks, outputs)))
     assert [task.returncode for task in tasks] == [0, 0], report
-    runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
-    assert len(runs) == 1, f"{runs}\n{report}"
+    # Named after the job (and step), so a requeued job finds its own folder again.
+    runs = [p for p in (tmp_path / "outputs").iterdir()]
+    assert [p.name for p in runs] == [f"slurm-{job_id}-0"], f"{runs}\n{report}"
     run_dir = runs[0]
     assert_one_run_folder(run_dir)
     assert "global batch 32" in (run_dir / "runner.log").read_text()

@@ -109,7 +109,7 @@ def test_model_gives_logits(image_size):
 def test_small_cnn_learns_shapes():
     torch.manual_seed(0)
     data = ShapesData(num_samples=2000, val_samples=500)
-    model = SmallCNN()
+    model = SmallCNN(width=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(data.train_dataset, batch_size=64, shuffle=True)
     step = 0

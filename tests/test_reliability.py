@@ -178,3 +178,16 @@ def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_pat
     assert again.returncode == 0, again.stderr
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == stopped_at + 4
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242-0"]
+
+
+def test_workers_end_when_the_parent_is_killed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.Slow", "trainer.max_steps=100000",
+                "trainer.max_epochs=-1", cwd=tmp_path)
+    assert wait_for(lambda: (run_dir / "rank_1.log").exists() and "global batch" in (run_dir / "rank_1.log").read_text(),
+                    60), job.communicate(timeout=5)
+    assert len(processes_mentioning(str(run_dir))) >= 2
+    os.kill(job.pid, signal.SIGKILL)  # no chance to clean up: the workers must notice by themselves
+    job.communicate(timeout=10)
+    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 30)
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") > 0  # they still stopped at a step and saved
