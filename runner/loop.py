@@ -19,7 +19,7 @@ from runner.config import ConfigError
 log = logging.getLogger("runner")
 
 # Order of the values summed over processes at a log step.
-LOSS, COUNT, CORRECT, HAS_CORRECT, NONFINITE, STOP = range(6)
+LOSS, COUNT, CORRECT, HAS_CORRECT, STOP = range(5)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -27,19 +27,29 @@ class NonFiniteLossError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """`trainer.skip_nonfinite_loss`: skip optimizer steps whose loss was NaN/inf on any process.
+    """`trainer.skip_nonfinite_loss`: drop micro-batches whose loss was NaN/inf on any process, and skip
+    the optimizer step they belong to.
 
-    Enabled, it costs one tiny all-reduce and host sync per optimizer step; disabled, it does nothing per
-    step and a non-finite loss stops the run at the next log step.
+    Enabled, it costs one tiny all-reduce and host sync per micro-batch; disabled, it does nothing per
+    step, and a non-finite loss stops the run at the next log step (a NaN poisons the loss sum).
     """
 
     def __init__(self, strategy: Any, enabled: bool) -> None:
         self.strategy, self.enabled, self.skipped = strategy, enabled, 0
+        self._window_bad = False
 
-    def skip(self, window_nonfinite: torch.Tensor) -> bool:
+    def check(self, loss: torch.Tensor) -> bool:
+        """True when this micro-batch's loss is not finite on some process (always False when disabled)."""
         if not self.enabled:
             return False
-        bad = bool(self.strategy.all_reduce(window_nonfinite, reduce_op="sum") > 0)
+        flag = (~torch.isfinite(loss.detach())).double()
+        bad = bool(self.strategy.all_reduce(flag, reduce_op="sum") > 0)
+        self._window_bad |= bad
+        return bad
+
+    def skip_step(self) -> bool:
+        """True when the accumulation window that just ended held a non-finite loss."""
+        bad, self._window_bad = self._window_bad, False
         self.skipped += bad
         return bad
 
@@ -107,8 +117,7 @@ class Loop:
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
         device = strategy.root_device
-        self._sums = torch.zeros(6, dtype=torch.float64, device=device)  # since the last log step
-        self._window_nonfinite = torch.zeros((), dtype=torch.float64, device=device)  # this accumulation window
+        self._sums = torch.zeros(5, dtype=torch.float64, device=device)  # since the last log step
         self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
 
@@ -143,32 +152,28 @@ class Loop:
             out = self.strategy.training_step(self.wrapped, inputs, targets)
             loss = out["loss_sum"].sum() / out["count"].sum()
             self.precision.backward(loss / self.schedule.accumulate)
-        self._accumulate(out, loss)
+        if not self.guard.check(loss):
+            self._accumulate(out)
         if not sync:
             return False
-        if not self.guard.skip(self._window_nonfinite):
+        if not self.guard.skip_step():
             self.precision.unscale_gradients(self.optimizer)
             if self.cfg.gradient_clip_val is not None:
                 torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.cfg.gradient_clip_val)
             self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self._window_nonfinite.zero_()
         self.scheduler.step()
         self.progress.step += 1
         return True
 
-    def _accumulate(self, out: dict, loss: torch.Tensor) -> None:
+    def _accumulate(self, out: dict) -> None:
+        """Add a micro-batch's sums on the device: no host sync until the next log step."""
         sums = self._sums
-        finite = torch.isfinite(loss.detach())
-        # A skipped non-finite batch must not turn the logged mean into NaN.
-        sums[LOSS] += torch.where(finite, out["loss_sum"].detach().sum(), 0.0)
-        sums[COUNT] += torch.where(finite, out["count"].sum(), 0.0)
+        sums[LOSS] += out["loss_sum"].detach().sum()
+        sums[COUNT] += out["count"].sum()
         if "correct" in out:
-            sums[CORRECT] += torch.where(finite, out["correct"].sum(), 0.0)
+            sums[CORRECT] += out["correct"].sum()
             sums[HAS_CORRECT] += 1
-        nonfinite = (~finite).double()
-        sums[NONFINITE] += nonfinite
-        self._window_nonfinite += nonfinite
 
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
@@ -189,7 +194,7 @@ class Loop:
         sums = self.strategy.all_reduce(self._sums, reduce_op="sum").tolist()
         self._sums.zero_()
         elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
-        if sums[NONFINITE] > 0 and not self.guard.enabled:
+        if not math.isfinite(sums[LOSS]):
             raise NonFiniteLossError(self._nonfinite_message())
         metrics = {"train/loss": sums[LOSS] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
                    "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
