@@ -2,8 +2,8 @@
 
 It does the work `python -m runner` does for the same config: the same synthetic data and MLP, SGD, a
 DataLoader with a DistributedSampler, train loss/accuracy reduced over the processes and written to
-TensorBoard every `--log-every` steps, validation at every epoch end and at the end, an optional
-checkpoint every `--ckpt-every` steps and `last.ckpt` at the end.
+TensorBoard every `--log-every` steps, validation at every epoch end and at the end, and
+`last.ckpt` at the end.
 
     python benchmarks/handwritten.py --steps 300 --out /tmp/hw                  # one process
     torchrun --nproc-per-node=2 benchmarks/handwritten.py --steps 300 --out /tmp/hw2   # 2 DDP processes
@@ -43,7 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--ckpt-every", type=int, default=0, help="0: only last.ckpt at the end")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -187,10 +186,6 @@ def train_epoch(args: argparse.Namespace, net: nn.Module, opt: torch.optim.Optim
         meter.update(loss, out, y)
         if step % args.log_every == 0:
             meter.log(step, opt.param_groups[0]["lr"])
-        if args.ckpt_every and step % args.ckpt_every == 0 and meter.writer:
-            model = getattr(net, "module", net)
-            save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
-                 args.out / f"step-{step:06d}.ckpt")
         if step >= args.steps:
             break
     return step
