@@ -42,8 +42,11 @@ class TensorBoardLogger:
         return self._writer
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, value, global_step=step)
+        """All of a step's scalars as one event: one write, not one per metric."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        self.writer._get_file_writer().add_summary(Summary(value=values), global_step=step)
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 

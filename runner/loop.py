@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from runner.config import ConfigError
+from runner.task import CORRECT, COUNT, HAS_CORRECT, LOSS_SUM
 
 log = logging.getLogger("runner")
 
 # Order of the values summed over processes at a log step.
-LOSS, COUNT, CORRECT, HAS_CORRECT, STOP = range(5)
+STOP = HAS_CORRECT + 1  # after the task's columns: a stop request, summed over processes
 
 
 class NonFiniteLossError(RuntimeError):
@@ -118,6 +120,9 @@ class Loop:
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
         device = strategy.root_device
         self._sums = torch.zeros(5, dtype=torch.float64, device=device)  # since the last log step
+        self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
+        self._show_progress = strategy.is_global_zero and _interactive()
+        self._progress_open = False
         self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
 
@@ -150,7 +155,7 @@ class Loop:
         inputs, targets = self.strategy.batch_to_device((inputs, targets))
         with self.strategy.backward_sync(self.wrapped, enabled=sync):
             out = self.strategy.training_step(self.wrapped, inputs, targets)
-            loss = out["loss_sum"].sum() / out["count"].sum()
+            loss = self.task.batch_loss(out)
             self.precision.backward(loss / self.schedule.accumulate)
         if not self.guard.check(loss):
             self._accumulate(out)
@@ -158,8 +163,8 @@ class Loop:
             return False
         if not self.guard.skip_step():
             self.precision.unscale_gradients(self.optimizer)
-            if self.cfg.gradient_clip_val is not None:
-                torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.cfg.gradient_clip_val)
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
             self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -168,12 +173,7 @@ class Loop:
 
     def _accumulate(self, out: dict) -> None:
         """Add a micro-batch's sums on the device: no host sync until the next log step."""
-        sums = self._sums
-        sums[LOSS] += out["loss_sum"].detach().sum()
-        sums[COUNT] += out["count"].sum()
-        if "correct" in out:
-            sums[CORRECT] += out["correct"].sum()
-            sums[HAS_CORRECT] += 1
+        self._sums[:STOP] += out["stats"].sum(dim=0)
 
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
@@ -194,9 +194,9 @@ class Loop:
         sums = self.strategy.all_reduce(self._sums, reduce_op="sum").tolist()
         self._sums.zero_()
         elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
-        if not math.isfinite(sums[LOSS]):
+        if not math.isfinite(sums[LOSS_SUM]):
             raise NonFiniteLossError(self._nonfinite_message())
-        metrics = {"train/loss": sums[LOSS] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
+        metrics = {"train/loss": sums[LOSS_SUM] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
                    "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
         if sums[HAS_CORRECT]:
             metrics["train/acc"] = sums[CORRECT] / max(sums[COUNT], 1)
@@ -204,7 +204,7 @@ class Loop:
             metrics["train/skipped_steps"] = float(self.guard.skipped)
         self.progress.metrics.update(metrics)
         self.logger.log_metrics(metrics, self.progress.step)
-        if self.strategy.is_global_zero:
+        if self._show_progress:
             self._print_progress(metrics)
         return sums[STOP] > 0
 
@@ -220,13 +220,9 @@ class Loop:
                     break
                 inputs, targets = self.strategy.batch_to_device((inputs, targets))
                 out = self.strategy.validation_step(self.wrapped, inputs, targets)
-                sums[LOSS] += out["loss_sum"].sum()
-                sums[COUNT] += out["count"].sum()
-                if "correct" in out:
-                    sums[CORRECT] += out["correct"].sum()
-                    sums[HAS_CORRECT] += 1
+                sums += out["stats"].sum(dim=0)
         self.task.train()
-        loss, count, correct, has_correct = self.strategy.all_reduce(sums, reduce_op="sum").tolist()
+        loss, count, correct, has_correct = self.strategy.all_reduce(sums, reduce_op="sum").tolist()[:STOP]
         self._last_val_step = self.progress.step
         if count:
             metrics = {"val/loss": loss / count}
@@ -234,6 +230,7 @@ class Loop:
                 metrics["val/acc"] = correct / count
             self.progress.metrics.update(metrics)
             self.logger.log_metrics(metrics, self.progress.step)
+            self._end_progress()
             log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), count,
                      time.perf_counter() - start)
         self._tick += time.perf_counter() - start  # validation time is not training throughput
@@ -293,6 +290,7 @@ class Loop:
             final = {k: v for k, v in result.items() if isinstance(v, float)}
             self.logger.log_hyperparams(self.hparams, final)
             _write_json(self.run_dir / "metrics.json", result)
+            self._end_progress()
             log.info("done: %s", _fmt(result))
         self.strategy.barrier("finish")
         return result
@@ -324,9 +322,15 @@ class Loop:
         line = (f"step {p.step}/{total if total < math.inf else '?'}  epoch {p.epoch}  "
                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
                 f"eta {eta:.0f}s")
-        log.debug(line)
-        if _interactive():
-            print("\r" + line, end="", flush=True)
+        sys.stderr.write(f"\r{line}\033[K")  # rewrite the same terminal line; \033[K clears its tail
+        sys.stderr.flush()
+        self._progress_open = True
+
+    def _end_progress(self) -> None:
+        """Move past the progress line before anything else is printed."""
+        if self._progress_open:
+            sys.stderr.write("\n")
+            self._progress_open = False
 
 
 def _interactive() -> bool:
