@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -12,6 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package (hydra_plugins) is not there either
+        return False
+
 
 TINY = ["data.num_samples=512", "data.val_samples=100", "trainer.log_every_n_steps=5"]
 
@@ -99,7 +107,7 @@ def test_sweep_preset_runs_as_a_sweep(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("hydra_plugins.hydra_joblib_launcher"),
+    not installed("hydra_plugins.hydra_joblib_launcher"),
     reason="needs the sweep extra (hydra-joblib-launcher)",
 )
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path: Path) -> None:
@@ -111,7 +119,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("hydra_plugins.hydra_submitit_launcher"),
+    not installed("hydra_plugins.hydra_submitit_launcher"),
     reason="needs the sweep extra (hydra-submitit-launcher)",
 )
 def test_submitit_local_launcher_runs_ddp_jobs(tmp_path: Path) -> None:
