@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,11 +20,17 @@ log = logging.getLogger("runner")
 STATUS_FILE = ".hydra/job_status.json"
 
 
-def config_hash(cfg: DictConfig) -> str:
+# Keys a job may change and still continue from its checkpoint (asking for more steps or epochs).
+_LENGTH_KEYS = ("max_steps", "max_epochs")
+
+
+def config_hash(cfg: DictConfig, ignore_length: bool = False) -> str:
     """What makes a job the same job again: its resolved config, wherever it resumes from."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("hydra", None)
-    resolved.get("trainer", {}).pop("ckpt_path", None)
+    trainer = resolved.get("trainer", {})
+    for key in ("ckpt_path", *(_LENGTH_KEYS if ignore_length else ())):
+        trainer.pop(key, None)
     return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -50,11 +57,12 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
         log.info("job %s finished in an earlier run of this sweep: skipped", job_dir.name)
         _write_summary(sweep_dir)
         return metrics
-    last = job_dir / "checkpoints" / "last.ckpt"
-    if cfg.trainer.ckpt_path is None and last.exists():
-        cfg.trainer.ckpt_path = str(last)  # an earlier run of this sweep stopped this job: continue it
+    status: dict[str, Any] = {"status": "running", "config_hash": digest,
+                              "resume_hash": config_hash(cfg, ignore_length=True)}
+    if cfg.trainer.ckpt_path is None:
+        _continue_or_clear(cfg, job_dir, status["resume_hash"])
+    _write_status(job_dir, status)
     start = time.time()
-    status: dict[str, Any] = {"config_hash": digest}
     try:
         metrics = fit(cfg, job_dir)
         status["status"] = "failed" if metrics.get("stopped_early") else "ok"
@@ -64,9 +72,35 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
         raise
     finally:
         status["wall_time_s"] = round(time.time() - start, 2)
-        (job_dir / STATUS_FILE).parent.mkdir(parents=True, exist_ok=True)
-        (job_dir / STATUS_FILE).write_text(json.dumps(status, indent=2) + "\n")
+        _write_status(job_dir, status)
         _write_summary(sweep_dir)
+
+
+def _continue_or_clear(cfg: DictConfig, job_dir: Path, resume_hash: str) -> None:
+    """An earlier run of this sweep left this job unfinished: continue it if it is the same job, else start over.
+
+    A job folder of a sweep run with other values holds another job's checkpoint, events and metrics.
+    """
+    last = job_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return
+    try:
+        earlier = json.loads((job_dir / STATUS_FILE).read_text()).get("resume_hash")
+    except (OSError, ValueError):
+        earlier = None
+    if earlier == resume_hash:
+        cfg.trainer.ckpt_path = str(last)
+        return
+    log.warning("job %s: %s holds a run with another config; starting this job from scratch", job_dir.name,
+                job_dir)
+    for stale in ("checkpoints", "tensorboard"):
+        shutil.rmtree(job_dir / stale, ignore_errors=True)
+    (job_dir / "metrics.json").unlink(missing_ok=True)
+
+
+def _write_status(job_dir: Path, status: dict) -> None:
+    (job_dir / STATUS_FILE).parent.mkdir(parents=True, exist_ok=True)
+    _replace(job_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
 
 
 def _job_rows(sweep_dir: Path) -> list[dict]:

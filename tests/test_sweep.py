@@ -130,3 +130,16 @@ def test_submitit_local_launcher_runs_ddp_jobs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert [r["status"] for r in read_summary(sweep)] == ["ok", "ok"]
     assert (sweep / "1" / "rank_1.log").exists()
+
+
+def test_a_sweep_with_other_values_in_the_same_folder_does_not_reuse_old_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    assert runner("-m", "optimizer.lr=0.1", "trainer.max_steps=4", f"hydra.sweep.dir={sweep}", *TINY,
+                  cwd=tmp_path).returncode == 0
+    again = runner("-m", "optimizer.lr=0.5", "trainer.max_steps=4", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resuming from" not in (sweep / "0" / "runner.log").read_text().split("another config")[-1]
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["lr"] == 0.5
+    assert len(list((sweep / "0" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    [row] = read_summary(sweep)
+    assert "optimizer.lr=0.5" in row["overrides"] and float(row["lr"]) == 0.5
