@@ -121,7 +121,32 @@ def _check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
                f"overflow; set {key}=1e-4, or use precision=bf16-true or bf16-mixed")
 
 
-def _check_checkpoint(path: Any) -> Iterator[str]:
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
+    """Build optimizer, scheduler and loss on a stand-in parameter, so bad arguments fail here, not in workers."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    try:
+        optimizer = build_optimizer(cfg, [parameter])
+    except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
+        yield f"optimizer ({cfg.optimizer.get('_target_')}) does not accept its settings: {_one_line(error)}"
+        return
+    try:
+        scheduler = build_scheduler(cfg, optimizer)
+        optimizer.step()
+        scheduler.step()
+    except Exception as error:  # noqa: BLE001
+        yield f"scheduler ({cfg.scheduler.get('_target_')}) does not accept its settings: {_one_line(error)}"
+    try:
+        build_loss(cfg)
+    except Exception as error:  # noqa: BLE001
+        yield f"loss ({cfg.loss.get('_target_')}) does not accept its settings: {_one_line(error)}"
+
+
+def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:
+    """The checkpoint loads, and fits this config: the model's tensors and the position in the epoch."""
     from runner.checkpoint_io import CheckpointError, TorchCheckpointIO
 
     try:
@@ -132,16 +157,45 @@ def _check_checkpoint(path: Any) -> Iterator[str]:
     missing = [key for key in ("model", "optimizer", "step") if key not in checkpoint]
     if missing:
         yield f"trainer.ckpt_path={path} is not a runner checkpoint: it lacks {', '.join(missing)}"
+        return
+    per_batch = cfg.data.get("batch_size", 1) * processes
+    samples = checkpoint.get("samples_in_epoch", 0)
+    if samples % per_batch:
+        yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of batches "
+               f"of data.batch_size x processes = {per_batch}; resume with its global batch "
+               f"({checkpoint.get('global_batch_size')} = data.batch_size x processes x accumulate_grad_batches)")
+    yield from _check_model_fits(cfg, path, checkpoint["model"])
+
+
+def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            expected = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
+        return
+    found = {k: tuple(v.shape) for k, v in saved.items()}
+    differ = [f"{k} {found[k]} vs {shape}" for k, shape in expected.items() if k in found and found[k] != shape]
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if differ or missing or extra:
+        details = "; ".join(filter(None, [
+            differ and "shapes (checkpoint vs model) " + ", ".join(differ[:3]),
+            missing and "missing " + ", ".join(missing[:3]),
+            extra and "unexpected " + ", ".join(extra[:3]),
+        ]))
+        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}"
 
 
 def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes."""
     problems = check_static(cfg)
-    if not problems:  # component checks build objects, which needs importable, well-typed settings
-        problems += _check_components(cfg)
-        problems += _check_half_optimizer(cfg)
-    if ckpt_path is not None:
-        problems += _check_checkpoint(ckpt_path)
+    if problems:  # the checks below build objects, which needs importable, well-typed settings
+        raise ConfigError(problems)
+    problems += _check_components(cfg)
+    problems += _check_half_optimizer(cfg)
+    problems += _check_training_objects(cfg)
+    if ckpt_path is not None and not problems:
+        processes = len(build_accelerator(cfg).parse_devices(cfg.trainer.devices)) * cfg.trainer.num_nodes
+        problems += _check_checkpoint(cfg, ckpt_path, processes)
     if problems:
         raise ConfigError(problems)
 

@@ -201,3 +201,21 @@ def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None
     # Hydra resolves the run dir more than once per run: the same answer each time.
     assert unique_dir(str(taken)) == first
     assert unique_dir(str(tmp_path / "12-00-01")) == str(tmp_path / "12-00-01")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["+optimizer.lrr=0.1"], "optimizer (torch.optim.AdamW) does not accept its settings: TypeError"),
+        (["optimizer.lr=-1"], "Invalid learning rate"),
+        (["scheduler=step", "scheduler.step_size=abc"], "scheduler (torch.optim.lr_scheduler.StepLR)"),
+        (["cluster=slurm"], "cluster=slurm but this process was not started by srun"),
+        (["cluster=torchelastic"], "cluster=torchelastic but this process was not started by torchrun"),
+    ],
+)
+def test_training_objects_and_clusters_are_checked_before_any_worker(overrides: list, expected: str) -> None:
+    from runner.instantiate import validate
+
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config(overrides))
+    assert expected in str(error.value)

@@ -76,5 +76,14 @@ def test_resume_mid_epoch_with_a_batch_that_does_not_divide_the_position(make_cf
     runner.fit(make_cfg("trainer.max_steps=5"), run_dir=tmp_path / "first")  # 5 x 16 = 80 samples into the epoch
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     cfg = make_cfg("data.batch_size=48", "trainer.max_steps=8", f"trainer.ckpt_path={last}")
-    with pytest.raises(ConfigError, match="stopped 80 samples into epoch 0, .* batches of 48"):
+    with pytest.raises(ConfigError, match="stopped 80 samples into an epoch, .* = 48"):
         runner.fit(cfg, run_dir=tmp_path / "resumed")
+
+
+def test_resuming_into_another_model_is_refused_before_training(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    runner.fit(make_cfg("trainer.max_steps=2"), run_dir=tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    cfg = make_cfg("model.hidden=7", "trainer.max_steps=4", f"trainer.ckpt_path={last}")
+    with pytest.raises(ConfigError, match=r"holds another model than model=runner.models.MLP: shapes"):
+        runner.fit(cfg, run_dir=tmp_path / "resumed")
+    assert not (tmp_path / "resumed" / "checkpoints").exists()

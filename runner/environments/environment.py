@@ -74,6 +74,9 @@ class TorchElasticEnvironment(ClusterEnvironment):
         return all(key in os.environ for key in required)
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> list[str]:
+        if not self.detect():
+            return ["cluster=torchelastic but this process was not started by torchrun (RANK, WORLD_SIZE, "
+                    "MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID are not all set); use cluster=auto or local"]
         return _external_size_problems("torchrun", self.world_size(), num_devices, num_nodes)
 
 
@@ -115,6 +118,9 @@ class SLURMEnvironment(ClusterEnvironment):
         return int(os.environ.get("SLURM_NODEID", 0))
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> list[str]:
+        if not all(key in os.environ for key in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
+            return ["cluster=slurm but this process was not started by srun (SLURM_NTASKS, SLURM_PROCID, "
+                    "SLURM_LOCALID are not all set); use cluster=auto or local"]
         return _external_size_problems("srun", self.world_size(), num_devices, num_nodes)
 
 
