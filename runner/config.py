@@ -78,16 +78,20 @@ def unique_dir(path: str) -> str:
     Memoised per process: Hydra may resolve the run dir more than once within one run.
     """
     if path not in _unique_dirs:
-        candidate, n = path, 0
-        while True:
-            try:
-                os.makedirs(candidate, exist_ok=False)
-                break
-            except FileExistsError:
-                n += 1
-                candidate = f"{path}-{n}"
-        _unique_dirs[path] = candidate
+        _unique_dirs[path] = make_unique_dir(path)
     return _unique_dirs[path]
+
+
+def make_unique_dir(path: str) -> str:
+    """Create and return `path`, or the first of `path-1`, `path-2`, ... that does not exist yet."""
+    candidate, n = path, 0
+    while True:
+        try:
+            os.makedirs(candidate, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{path}-{n}"
 
 
 def register_resolvers() -> None:

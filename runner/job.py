@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import register_resolvers, unique_dir
+from runner.config import make_unique_dir
 from runner.instantiate import build_strategy, validate
 from runner.launch import ElasticLauncher
 
@@ -50,8 +50,8 @@ def _external(strategy: Any) -> bool:
 
 
 def default_run_dir() -> Path:
-    register_resolvers()
-    return Path(unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
+    """A new folder per call (fit() from Python may run several jobs within one second)."""
+    return Path(make_unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
 
 
 def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
@@ -65,6 +65,8 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     resolved = resolved_config(cfg, strategy, ckpt_path)
     config_file = run_dir / ".hydra" / "resolved.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it
+        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create(resolved), config_file)
     launcher = strategy.launcher
     restarts = cfg.trainer.get("max_restarts", 0)

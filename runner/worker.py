@@ -79,11 +79,14 @@ def configure_logging(run_dir: Path, rank: int) -> None:
     file_handler = logging.FileHandler(run_dir / name)
     file_handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))
     console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s" if rank else "%(message)s"))
+    console.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    root = logging.getLogger()
-    root.handlers = [file_handler, console]
-    root.setLevel(logging.INFO)
+    # The runner's own logger only: a program calling runner.fit() keeps its logging set-up.
+    for old in log.handlers:
+        old.close()
+    log.handlers = [file_handler, console]
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -169,3 +169,13 @@ def test_diverging_loss_stops_with_a_message(make_cfg: MakeCfg, tmp_path: Path) 
     cfg = make_cfg("optimizer=sgd", "optimizer.lr=1e30", "trainer.max_steps=20")
     with pytest.raises(NonFiniteLossError, match="NaN or infinite .* trainer.log_every_n_steps=1"):
         runner.fit(cfg, run_dir=tmp_path)
+
+
+def test_python_api_compose_and_fit_give_each_call_its_own_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = runner.compose(["trainer.max_steps=2", "data.num_samples=128", "data.val_samples=32"])
+    first, second = runner.fit(cfg), runner.fit(cfg)
+    assert first["step"] == second["step"] == 2
+    folders = sorted(p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json"))
+    assert len(folders) == 2
+    assert all((f / ".hydra" / "config.yaml").exists() for f in folders)
