@@ -17,8 +17,10 @@ from runner.launch import ElasticLauncher
 log = logging.getLogger("runner")
 
 
-def resolve_ckpt_path(value: Any, run_dir: Path) -> Optional[str]:
-    """`trainer.ckpt_path`: a file, or 'last' (this run folder's last.ckpt, else the newest one under outputs/)."""
+def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    """`trainer.ckpt_path`: a file, or 'last': this run folder's last.ckpt, else the newest last.ckpt under
+    outputs/ of a run with the same model config."""
+    value = cfg.trainer.ckpt_path
     if value in (None, ""):
         return None
     if value != "last":
@@ -26,11 +28,20 @@ def resolve_ckpt_path(value: Any, run_dir: Path) -> Optional[str]:
     own = run_dir / "checkpoints" / "last.ckpt"
     if own.exists():
         return str(own.resolve())
-    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    found = [p for p in Path("outputs").glob("**/checkpoints/last.ckpt") if _model_of(p.parent.parent) == model]
     if found:
-        return str(found[-1].resolve())
-    log.warning("trainer.ckpt_path=last: no last.ckpt in %s or under outputs/; training from the start", run_dir)
+        return str(max(found, key=lambda p: p.stat().st_mtime).resolve())
+    log.warning("trainer.ckpt_path=last: no last.ckpt in %s, nor under outputs/ from a run of this model; "
+                "training from the start", run_dir)
     return None
+
+
+def _model_of(run_dir: Path) -> Any:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "resolved.yaml").model)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def resolved_config(cfg: DictConfig, strategy: Any, ckpt_path: Optional[str]) -> dict:
@@ -59,7 +70,10 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     from runner import worker
 
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-    ckpt_path = resolve_ckpt_path(cfg.trainer.ckpt_path, run_dir)
+    ckpt_path = resolve_ckpt_path(cfg, run_dir)
+    if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():
+        log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
+                    "(trainer.ckpt_path=last continues it instead)", run_dir)
     validate(cfg, ckpt_path)
     strategy = build_strategy(cfg)
     resolved = resolved_config(cfg, strategy, ckpt_path)

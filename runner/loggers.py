@@ -12,6 +12,9 @@ class NullLogger:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         pass
 
+    def resume_at(self, step: int) -> None:
+        pass
+
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
         pass
 
@@ -30,6 +33,7 @@ class TensorBoardLogger:
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
         self._writer: Any = None
+        self._purge_step: Any = None
         self._last_step = 0
         self._logged: set[str] = set()
 
@@ -38,8 +42,12 @@ class TensorBoardLogger:
         if self._writer is None:  # tensorboard is imported by the first write, not at start-up
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs)
+            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs, purge_step=self._purge_step)
         return self._writer
+
+    def resume_at(self, step: int) -> None:
+        """A resumed run: TensorBoard drops events at or after `step` that an earlier attempt wrote."""
+        self._purge_step = step
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """All of a step's scalars as one event: one write, not one per metric."""

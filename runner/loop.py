@@ -204,7 +204,7 @@ class Loop:
             metrics["train/skipped_steps"] = float(self.guard.skipped)
         self.progress.metrics.update(metrics)
         self.logger.log_metrics(metrics, self.progress.step)
-        if self._show_progress:
+        if self.strategy.is_global_zero:
             self._print_progress(metrics)
         return sums[STOP] > 0
 
@@ -267,6 +267,7 @@ class Loop:
         self.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
                                  dict(checkpoint.get("metrics", {})))
         _set_rng_state(checkpoint["rng"])
+        self.logger.resume_at(checkpoint["step"] + 1)
         self._last_val_step = -1
 
     def _save(self, periodic: bool) -> None:
@@ -322,6 +323,9 @@ class Loop:
         line = (f"step {p.step}/{total if total < math.inf else '?'}  epoch {p.epoch}  "
                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
                 f"eta {eta:.0f}s")
+        if not self._show_progress:  # not a terminal: a log line per log step
+            log.info(line)
+            return
         sys.stderr.write(f"\r{line}\033[K")  # rewrite the same terminal line; \033[K clears its tail
         sys.stderr.flush()
         self._progress_open = True

@@ -87,3 +87,11 @@ def test_resuming_into_another_model_is_refused_before_training(make_cfg: MakeCf
     with pytest.raises(ConfigError, match=r"holds another model than model=runner.models.MLP: shapes"):
         runner.fit(cfg, run_dir=tmp_path / "resumed")
     assert not (tmp_path / "resumed" / "checkpoints").exists()
+
+
+def test_ckpt_path_last_skips_runs_of_another_model(make_cfg: MakeCfg, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    runner.fit(make_cfg("trainer.max_steps=2", "model.hidden=7"), run_dir=tmp_path / "outputs" / "a" / "other")
+    result = runner.fit(make_cfg("trainer.max_steps=2", "trainer.ckpt_path=last"), run_dir=tmp_path / "outputs" / "b" / "new")
+    assert result["step"] == 2  # trained from the start: the only last.ckpt belongs to another model
+    assert "resuming" not in (tmp_path / "outputs" / "b" / "new" / "runner.log").read_text()
