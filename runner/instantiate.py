@@ -24,16 +24,24 @@ def build_precision(cfg: DictConfig, accelerator: Any) -> Any:
     return instantiate(cfg.precision)
 
 
+def devices_setting(cfg: DictConfig, environment: Any) -> Any:
+    """`trainer.devices`, where `auto` under torchrun or srun means the processes they started per node."""
+    if cfg.trainer.devices == "auto" and environment.creates_processes_externally:
+        return max(1, environment.world_size() // cfg.trainer.num_nodes)
+    return cfg.trainer.devices
+
+
 def build_strategy(cfg: DictConfig) -> Any:
     """accelerator -> precision -> checkpoint IO -> cluster environment -> strategy, as its constructor arguments."""
     accelerator = build_accelerator(cfg)
-    devices = accelerator.get_parallel_devices(cfg.trainer.devices)
+    environment = instantiate(cfg.cluster)
+    devices = accelerator.get_parallel_devices(devices_setting(cfg, environment))
     precision = build_precision(cfg, accelerator)
     offers = {
         "accelerator": accelerator,
         "parallel_devices": devices,
         "device": devices[0],
-        "cluster_environment": instantiate(cfg.cluster),
+        "cluster_environment": environment,
         "checkpoint_io": instantiate(cfg.checkpoint_io),
         "precision": precision,
         "precision_plugin": precision,
@@ -81,7 +89,8 @@ def _check_components(cfg: DictConfig) -> Iterator[str]:
         yield (f"accelerator={kind} but no {kind.upper()} device is available here; "
                "use accelerator=cpu or accelerator=auto")
         return
-    indices = accelerator.parse_devices(cfg.trainer.devices)
+    environment = instantiate(cfg.cluster)
+    indices = accelerator.parse_devices(devices_setting(cfg, environment))
     available = accelerator.auto_device_count()
     if kind != "cpu" and (not indices or max(indices) >= available):
         yield f"trainer.devices={cfg.trainer.devices} but only {available} {kind.upper()} device(s) are visible"
@@ -103,7 +112,7 @@ def _check_components(cfg: DictConfig) -> Iterator[str]:
     timeout = cfg.strategy.get("timeout")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         yield f"strategy.timeout={timeout} must be a positive number of seconds"
-    yield from instantiate(cfg.cluster).validate_settings(len(indices), cfg.trainer.num_nodes)
+    yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
 
 
 def _check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
@@ -194,7 +203,8 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     problems += _check_half_optimizer(cfg)
     problems += _check_training_objects(cfg)
     if ckpt_path is not None and not problems:
-        processes = len(build_accelerator(cfg).parse_devices(cfg.trainer.devices)) * cfg.trainer.num_nodes
+        devices = devices_setting(cfg, instantiate(cfg.cluster))
+        processes = len(build_accelerator(cfg).parse_devices(devices)) * cfg.trainer.num_nodes
         problems += _check_checkpoint(cfg, ckpt_path, processes)
     if problems:
         raise ConfigError(problems)

@@ -77,3 +77,11 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
     # 333 validation samples do not split evenly over 2 processes; each must still count exactly once.
     assert metrics_two["val/loss"] == pytest.approx(metrics_one["val/loss"], abs=1e-5)
     assert metrics_two["val/acc"] == pytest.approx(metrics_one["val/acc"], abs=1e-9)
+
+
+def test_torchrun_with_devices_auto_takes_the_processes_torchrun_started(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = torchrun(["strategy=ddp", "accelerator=cpu", *SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert_ok(result)
+    assert_one_run_folder(run_dir)
+    assert "x 2 process(es)" in (run_dir / "runner.log").read_text()

@@ -105,14 +105,15 @@ class SLURMEnvironment(ClusterEnvironment):
         job_id = int(os.environ.get("SLURM_JOB_ID", "0"))
         return 20000 + job_id % 20000
 
+    # Defaults stand for "not under srun", which validate_settings reports.
     def world_size(self) -> int:
-        return int(os.environ["SLURM_NTASKS"])
+        return int(os.environ.get("SLURM_NTASKS", 1))
 
     def global_rank(self) -> int:
-        return int(os.environ["SLURM_PROCID"])
+        return int(os.environ.get("SLURM_PROCID", 0))
 
     def local_rank(self) -> int:
-        return int(os.environ["SLURM_LOCALID"])
+        return int(os.environ.get("SLURM_LOCALID", 0))
 
     def node_rank(self) -> int:
         return int(os.environ.get("SLURM_NODEID", 0))
