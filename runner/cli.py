@@ -110,15 +110,9 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
 
 def _expected(error: BaseException) -> bool:
-    """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
-    from hydra.errors import InstantiationException
+    from runner.job import is_user_error
 
-    from runner.checkpoint_io import CheckpointError
-    from runner.launch import JobStopped, WorkerFailed
-    from runner.loop import NonFiniteLossError
-
-    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException)
-    return isinstance(error, known)
+    return is_user_error(error)
 
 
 def main() -> None:

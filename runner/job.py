@@ -17,6 +17,19 @@ from runner.launch import ElasticLauncher
 log = logging.getLogger("runner")
 
 
+def is_user_error(error: BaseException) -> bool:
+    """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
+    from hydra.errors import InstantiationException
+
+    from runner.checkpoint_io import CheckpointError
+    from runner.config import ConfigError
+    from runner.launch import JobStopped, WorkerFailed
+    from runner.loop import NonFiniteLossError
+
+    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException)
+    return isinstance(error, known)
+
+
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """`trainer.ckpt_path`: a file, or 'last': this run folder's last.ckpt, else the newest last.ckpt under
     outputs/ of a run with the same model config."""

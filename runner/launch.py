@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -87,6 +88,9 @@ class ElasticLauncher:
             entrypoint, args = sys.executable, ("-m", "runner.worker", str(config_file), str(run_dir))
         else:
             entrypoint, args = worker.run_from_file, (str(config_file), str(run_dir))
+        # The agent's own log lines repeat what WorkerFailed reports (rank, exit code, traceback).
+        elastic_log = logging.getLogger("torch.distributed.elastic")
+        level, elastic_log.level = elastic_log.level, logging.CRITICAL
         try:
             with _worker_environment(self.num_processes, deterministic):
                 elastic_launch(config, entrypoint)(*args)
@@ -96,6 +100,7 @@ class ElasticLauncher:
         except SignalException as err:  # the agent already passed the signal on and waited for the workers
             raise JobStopped(int(err.sigval), run_dir) from None
         finally:
+            elastic_log.setLevel(level)
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ from runner.task import CORRECT, COUNT, HAS_CORRECT, LOSS_SUM
 log = logging.getLogger("runner")
 
 # Order of the values summed over processes at a log step.
+PROGRESS_LOG_S = 10.0  # without a terminal, progress goes to the log this often (log_every_n_steps=1 stays cheap)
 STOP = HAS_CORRECT + 1  # after the task's columns: a stop request, summed over processes
 
 
@@ -123,6 +124,7 @@ class Loop:
         self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
         self._show_progress = strategy.is_global_zero and _interactive()
         self._progress_open = False
+        self._last_progress_log = -math.inf
         self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
 
@@ -316,15 +318,20 @@ class Loop:
                 f"(checked every trainer.log_every_n_steps={self.schedule.log_every} steps); {where}")
 
     def _print_progress(self, metrics: dict) -> None:
+        """A terminal gets one line rewritten at every log step; a log file one line every PROGRESS_LOG_S."""
         s, p = self.schedule, self.progress
         total = min(s.max_steps, s.max_epochs * (s.batches_per_epoch // s.accumulate))
+        now = time.monotonic()
+        if not self._show_progress and now - self._last_progress_log < PROGRESS_LOG_S and p.step < total:
+            return
         rate = metrics["throughput/samples_per_s"] / self.global_batch
         eta = (total - p.step) / rate if rate and total < math.inf else float("nan")
         line = (f"step {p.step}/{total if total < math.inf else '?'}  epoch {p.epoch}  "
                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
                 f"eta {eta:.0f}s")
-        if not self._show_progress:  # not a terminal: a log line per log step
+        if not self._show_progress:
             log.info(line)
+            self._last_progress_log = now
             return
         sys.stderr.write(f"\r{line}\033[K")  # rewrite the same terminal line; \033[K clears its tail
         sys.stderr.flush()
@@ -335,6 +342,7 @@ class Loop:
         if self._progress_open:
             sys.stderr.write("\n")
             self._progress_open = False
+        self._last_progress_log = -math.inf
 
 
 def _interactive() -> bool:

@@ -6,6 +6,7 @@ process the launcher starts. It never re-enters `@hydra.main`, so a worker never
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -128,7 +130,7 @@ def _check_same_config(cfg: Any, strategy: Any) -> None:
     from runner.sweep import config_hash
 
     mine = config_hash(cfg)
-    log.info("config hash %s", mine)
+    log.info("config hash %s (every rank checks it equals rank 0's)", mine)
     reference = strategy.broadcast(mine)
     if mine != reference:
         raise RuntimeError(f"rank {strategy.global_rank} has config {mine} but rank 0 has {reference}")
@@ -199,10 +201,27 @@ def run_from_file(config_file: str, run_dir: str) -> None:
     """Entry point of a launched worker: the resolved config was written by the parent."""
     from omegaconf import OmegaConf
 
+    from runner.job import is_user_error
+
     _end_with_parent()
     cfg = OmegaConf.load(config_file)
-    ckpt_path = cfg.trainer.get("ckpt_path")
-    run(cfg, run_dir, ckpt_path=ckpt_path)
+    try:
+        run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
+    except Exception as error:
+        if not is_user_error(error):
+            raise  # a bug: `record` passes the traceback to the launcher
+        log.error("%s", error)
+        _report_to_launcher(error)
+        sys.exit(1)
+
+
+def _report_to_launcher(error: BaseException) -> None:
+    """The message alone, in torchelastic's error file: the launcher shows it without a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        detail = {"message": f"{type(error).__name__}: {error}",
+                  "extraInfo": {"py_callstack": str(error), "timestamp": str(int(time.time()))}}
+        Path(path).write_text(json.dumps({"message": detail}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from runner.cli import CONFIG_DIR
 overrides, run_dir = json.loads(sys.argv[1]), sys.argv[2]
 with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
     cfg = compose("config", overrides=overrides)
+import torch
+torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # torch itself sets TORCHINDUCTOR_CACHE_DIR here
 before = dict(os.environ)
 metrics = runner.fit(cfg, run_dir)
 after = dict(os.environ)
