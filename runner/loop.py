@@ -127,6 +127,7 @@ class Loop:
         self._last_progress_log = -math.inf
         self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
+        self._last_log_step = -1
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -198,6 +199,9 @@ class Loop:
         elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
         if not math.isfinite(sums[LOSS_SUM]):
             raise NonFiniteLossError(self._nonfinite_message())
+        self._last_log_step = self.progress.step
+        if not sums[COUNT]:  # nothing trained since the last log (all skipped): keep the last values
+            return sums[STOP] > 0
         metrics = {"train/loss": sums[LOSS_SUM] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
                    "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
         if sums[HAS_CORRECT]:
@@ -283,7 +287,7 @@ class Loop:
     def _finish(self, stopped: bool) -> dict:
         p = self.progress
         if not stopped:
-            if p.step % self.schedule.log_every:
+            if self._last_log_step != p.step:
                 self._log_train()
             self._validate()
         if self.schedule.save:

@@ -179,3 +179,10 @@ def test_python_api_compose_and_fit_give_each_call_its_own_folder(tmp_path: Path
     folders = sorted(p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json"))
     assert len(folders) == 2
     assert all((f / ".hydra" / "config.yaml").exists() for f in folders)
+
+
+def test_final_metrics_are_not_overwritten_when_the_last_step_was_already_logged(make_cfg, tmp_path: Path) -> None:
+    # Step 30 is logged because of the checkpoint (every 10), though log_every_n_steps=20.
+    metrics = runner.fit(make_cfg("trainer.max_steps=30", "trainer.ckpt_every_n_steps=10",
+                                  "trainer.log_every_n_steps=20", "data.num_samples=1024"), run_dir=tmp_path)
+    assert metrics["train/loss"] > 0 and metrics["throughput/samples_per_s"] > 0
