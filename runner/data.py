@@ -111,7 +111,8 @@ def _loader(data: Any, dataset: Dataset, sampler: Sampler, drop_last: bool, seed
         sampler=sampler,
         drop_last=drop_last,
         num_workers=workers,
-        pin_memory=bool(getattr(data, "pin_memory", False)),
+        # Pinned memory only speeds up copies to a GPU; without one torch warns and ignores it.
+        pin_memory=bool(getattr(data, "pin_memory", False)) and torch.cuda.is_available(),
         persistent_workers=workers > 0,
         collate_fn=getattr(data, "collate_fn", collate),
         # The loader's own generator keeps the global RNG untouched, so resuming mid-epoch is exact.

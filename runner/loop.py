@@ -308,6 +308,10 @@ class Loop:
                  "per epoch; starting at step %d (epoch %d, batch %d)", self.global_batch, self.train.batch_size,
                  self.strategy.world_size, s.accumulate, s.batches_per_epoch // s.accumulate, p.step, p.epoch,
                  p.batch)
+        if p.step >= s.max_steps or p.epoch >= s.max_epochs:
+            log.warning("nothing to train: the run is already at step %d, epoch %d (trainer.max_steps=%s, "
+                        "trainer.max_epochs=%s); raise them to continue", p.step, p.epoch,
+                        self.cfg.max_steps, self.cfg.max_epochs)
 
     def _too_few_batches(self) -> str:
         return (f"no full global batch per epoch: the training set gives {len(self.train)} batch(es) of "
