@@ -109,7 +109,11 @@ def _describe(rank: int, failure: object) -> str:
     detail = data.get("message", {}) if isinstance(data, dict) else {}
     trace = detail.get("extraInfo", {}).get("py_callstack") if isinstance(detail, dict) else None
     if trace:
-        return f"rank {rank} failed:\n{trace.rstrip()}"
+        hint = ""
+        if "timed out" in trace.lower():
+            hint = (f"\nrank {rank} waited longer than strategy.timeout in a collective that another rank never "
+                    "reached: that rank is stuck or slow (its log: runner.log for rank 0, rank_<k>.log otherwise)")
+        return f"rank {rank} failed:\n{trace.rstrip()}{hint}"
     code = getattr(failure, "exitcode", None)
     signal = getattr(failure, "signal_name", lambda: "")()
     how = f"was killed by {signal}" if code is not None and code < 0 else f"exited with code {code}"
