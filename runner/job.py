@@ -103,7 +103,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     if launcher is not None:
         launcher.max_restarts = restarts
     if launcher is None:
-        return worker.run(OmegaConf.create(resolved), run_dir, ckpt_path, own_logging=own_logging)
+        return worker.run(OmegaConf.create(resolved), run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
     log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
     launcher.launch(config_file, run_dir, deterministic=cfg.trainer.deterministic)
     import json

@@ -100,12 +100,12 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True) -> dict:
-    """Train one process's share of the job described by the resolved `cfg`."""
+def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None) -> dict:
+    """Train one process's share of the job described by the resolved `cfg` (with `strategy` if built already)."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-    strategy = build.build_strategy(cfg)
+    strategy = strategy or build.build_strategy(cfg)
     strategy.setup_environment()
     try:
         # Under torchrun every rank ran Hydra on its own; rank 0's run folder and checkpoint are the job's.
