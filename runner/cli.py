@@ -11,12 +11,12 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import hydra
 from omegaconf import DictConfig
 
-from runner.config import ConfigError, register_configs, register_resolvers
+from runner.config import register_configs, register_resolvers
 
 register_resolvers()
 register_configs()

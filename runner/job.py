@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -89,12 +90,12 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
                     "(trainer.ckpt_path=last continues it instead)", run_dir)
     validate(cfg, ckpt_path)
     strategy = build_strategy(cfg)
-    resolved = resolved_config(cfg, strategy, ckpt_path)
+    resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     config_file = run_dir / ".hydra" / "resolved.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    OmegaConf.save(OmegaConf.create(resolved), config_file)
+    OmegaConf.save(resolved, config_file)
     launcher = strategy.launcher
     restarts = cfg.trainer.get("max_restarts", 0)
     if launcher is None and restarts and not _external(strategy):
@@ -103,9 +104,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     if launcher is not None:
         launcher.max_restarts = restarts
     if launcher is None:
-        return worker.run(OmegaConf.create(resolved), run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
+        return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
     log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
     launcher.launch(config_file, run_dir, deterministic=cfg.trainer.deterministic)
-    import json
-
     return json.loads((run_dir / "metrics.json").read_text())

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from runner.tree import apply_to_tensors
+
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor in nested lists, tuples, namedtuples and dicts to `dtype`.
@@ -17,19 +19,7 @@ def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     Integer tensors (class labels, indices) and non-tensor leaves pass through untouched, and every
     container comes back as the same type it went in as.
     """
-    if isinstance(data, Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(cast_floats(item, dtype) for item in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(cast_floats(item, dtype) for item in data)
-    if isinstance(data, dict):
-        # A shallow copy keeps dict subclasses (OrderedDict, defaultdict) with their own settings.
-        out = data.copy()
-        for key, value in data.items():
-            out[key] = cast_floats(value, dtype)
-        return out
-    return data
+    return apply_to_tensors(data, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
 class Precision:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from runner.accelerators import Accelerator
 from runner.checkpoint_io import CheckpointIO
 from runner.precision import Precision
 from runner.strategies.strategy import Strategy, move_to_device
+from runner.tree import apply_to_tensors
 
 # DataParallel says this on every step whose outputs are 0-dim; one value per device is what we want.
 _SCALAR_GATHER_WARNING = "Was asked to gather along dimension 0, but all input tensors were scalars"
@@ -96,7 +97,7 @@ class DataParallelStrategy(Strategy):
     # -- collectives: one process, so only the per-device values need combining ----------------
     def reduce(self, collection: Any, *args: Any, **kwargs: Any) -> Any:
         """Mean of each tensor's per-device values, keeping the collection's structure; `args` are ignored."""
-        return _apply_to_tensors(collection, _mean)
+        return apply_to_tensors(collection, _mean)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return bool(decision)
@@ -118,20 +119,3 @@ def _mean(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() == 0:
         return tensor
     return (tensor if tensor.is_floating_point() else tensor.float()).mean()
-
-
-def _apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply `fn` to every tensor in nested dicts, lists, tuples and namedtuples, keeping their types."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        # A shallow copy keeps dict subclasses (OrderedDict, defaultdict) with their own settings.
-        out = data.copy()
-        for key, value in data.items():
-            out[key] = _apply_to_tensors(value, fn)
-        return out
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(_apply_to_tensors(v, fn) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_apply_to_tensors(v, fn) for v in data)
-    return data

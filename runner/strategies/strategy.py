@@ -11,6 +11,7 @@ from torch import nn
 from runner.accelerators import Accelerator, CPUAccelerator
 from runner.checkpoint_io import CheckpointIO, TorchCheckpointIO
 from runner.precision import Precision
+from runner.tree import apply_to_tensors
 
 T = TypeVar("T")
 
@@ -18,15 +19,7 @@ T = TypeVar("T")
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of a (nested) batch to `device`, keeping the container types."""
     non_blocking = device.type == "cuda"
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return type(batch)((k, move_to_device(v, device)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
+    return apply_to_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 class Strategy:
