@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Any, Mapping
+import socket
+import struct
+import time
+from typing import Any, Mapping, Optional
+
+import google_crc32c
+
+_file_numbers = itertools.count()
 
 
 class NullLogger:
@@ -22,6 +30,52 @@ class NullLogger:
         pass
 
 
+def _masked_crc(data: bytes) -> bytes:
+    """The record checksum of TensorBoard's event files: CRC-32C, rotated and offset (the TFRecord format)."""
+    crc = google_crc32c.value(data)
+    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+class EventFile:
+    """One TensorBoard event file, written on the calling thread.
+
+    An event is ~100 bytes: serialising it, its checksum (C code) and a buffered write take a few
+    microseconds. SummaryWriter hands each event to a thread that computes the checksum in pure Python
+    (~75 us an event), competing with the training thread for the interpreter.
+    """
+
+    def __init__(self, log_dir: str, flush_secs: float, purge_step: Optional[int] = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_numbers)}"
+        self.path = os.path.join(log_dir, name)
+        self._file = open(self.path, "wb")  # noqa: SIM115 - open for the life of the run, closed by close()
+        self.flush_secs, self._flushed = flush_secs, time.monotonic()
+        self.write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:  # TensorBoard drops what earlier files logged at or after this step
+            self.write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def add_summary(self, summary: Any, step: int = 0) -> None:
+        self.write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._file.write(header + _masked_crc(header) + data + _masked_crc(data))
+        if time.monotonic() - self._flushed >= self.flush_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def _hparam_value(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) else str(value)
 
@@ -29,21 +83,22 @@ def _hparam_value(value: Any) -> Any:
 class TensorBoardLogger:
     """One event stream in `<root_dir>/<subdir>`, with the hyperparameters and final metrics for HParams."""
 
-    def __init__(self, root_dir: str, subdir: str = "tensorboard", flush_secs: int = 30) -> None:
+    def __init__(self, root_dir: str, subdir: str = "tensorboard", flush_secs: float = 30) -> None:
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
-        self._writer: Any = None
-        self._purge_step: Any = None
+        self._events: Optional[EventFile] = None
+        self._purge_step: Optional[int] = None
         self._last_step = 0
         self._logged: set[str] = set()
 
     @property
-    def writer(self) -> Any:
-        if self._writer is None:  # tensorboard is imported by the first write, not at start-up
-            from torch.utils.tensorboard import SummaryWriter
+    def events(self) -> EventFile:
+        if self._events is None:  # tensorboard is imported by the first write, not at start-up
+            from tensorboard.compat.proto.summary_pb2 import Summary
 
-            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.flush_secs, purge_step=self._purge_step)
-        return self._writer
+            self._summary = Summary
+            self._events = EventFile(self.log_dir, self.flush_secs, self._purge_step)
+        return self._events
 
     def resume_at(self, step: int) -> None:
         """A resumed run: TensorBoard drops events at or after `step` that an earlier attempt wrote."""
@@ -51,28 +106,26 @@ class TensorBoardLogger:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """All of a step's scalars as one event: one write, not one per metric."""
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
-        self.writer._get_file_writer().add_summary(Summary(value=values), global_step=step)
+        events = self.events
+        summary = self._summary
+        values = [summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        events.add_summary(summary(value=values), step)
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 
     def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """Write HParams into the same event file (SummaryWriter.add_hparams would open a second one)."""
+        """HParams: the run's settings beside its final metrics, in the same event file."""
         from torch.utils.tensorboard.summary import hparams
 
         flat = {k: _hparam_value(v) for k, v in params.items()}
-        experiment, session_start, session_end = hparams(flat, dict(metrics))
-        file_writer = self.writer._get_file_writer()
-        for summary in (experiment, session_start, session_end):
-            file_writer.add_summary(summary)
+        for summary in hparams(flat, dict(metrics)):
+            self.events.add_summary(summary)
         # HParams reads each metric from the scalar series of that name. Series already logged end with
         # the final value; writing it again at step 0 would draw a line back to the start.
-        for name, value in metrics.items():
-            if name not in self._logged:
-                self.writer.add_scalar(name, value, global_step=self._last_step)
+        unlogged = {name: value for name, value in metrics.items() if name not in self._logged}
+        if unlogged:
+            self.log_metrics(unlogged, self._last_step)
 
     def finalize(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._events is not None:
+            self._events.close()
