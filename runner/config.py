@@ -42,6 +42,7 @@ class TrainerConfig:
     fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches
     max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
+    compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
 
 
 @dataclass
@@ -129,6 +130,9 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield from _check_fraction_or_count(key, t[key], allow_zero=key == "limit_val_batches")
     if not (isinstance(t.fast_dev_run, bool) or (_is_int(t.fast_dev_run) and t.fast_dev_run >= 0)):
         yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
+    if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
+        yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
+               "e.g. trainer.compile={mode:max-autotune}")
 
 
 def _is_index_list(value: Any) -> bool:

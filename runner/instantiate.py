@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from hydra.utils import get_method, instantiate
@@ -77,6 +77,14 @@ def build_scheduler(cfg: DictConfig, optimizer: Any) -> Any:
     except (TypeError, ValueError) as error:
         raise ConfigError([f"scheduler ({cfg.scheduler._target_}) does not accept its settings: "
                            f"{_one_line(error)}"]) from error
+
+
+def compile_arguments(cfg: DictConfig) -> Optional[dict]:
+    """`trainer.compile`: None (off), or the keyword arguments for torch.compile (true: its defaults)."""
+    setting = cfg.trainer.get("compile", False)
+    if setting is True:
+        return {}
+    return OmegaConf.to_container(setting, resolve=True) if OmegaConf.is_dict(setting) and setting else None
 
 
 def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
@@ -158,6 +166,23 @@ def _check_arguments(group: str, node: Any, leading: int) -> Iterator[str]:
         return
 
 
+def _check_compile(cfg: DictConfig) -> Iterator[str]:
+    from runner.strategies import DataParallelStrategy
+
+    arguments = compile_arguments(cfg)
+    if arguments is None:
+        return
+    try:
+        inspect.signature(torch.compile).bind(None, **arguments)
+    except TypeError as error:
+        allowed = ", ".join(p for p in inspect.signature(torch.compile).parameters if p != "model")
+        yield f"trainer.compile={arguments}: {error} (torch.compile takes {allowed})"
+    strategy_class = get_method(cfg.strategy._target_)
+    if inspect.isclass(strategy_class) and issubclass(strategy_class, DataParallelStrategy):
+        yield ("trainer.compile needs strategy=single or strategy=ddp: DataParallel copies the module to every "
+               "device at every step, and the copies would run the original's compiled code")
+
+
 def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
     yield from _check_arguments("optimizer", cfg.optimizer, leading=1)
     yield from _check_arguments("scheduler", cfg.scheduler, leading=1)
@@ -215,6 +240,7 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     problems += _check_components(cfg)
     problems += _check_half_optimizer(cfg)
     problems += _check_training_objects(cfg)
+    problems += _check_compile(cfg)
     if ckpt_path is not None and not problems:
         devices = devices_setting(cfg, instantiate(cfg.cluster))
         processes = len(build_accelerator(cfg).parse_devices(devices)) * cfg.trainer.num_nodes

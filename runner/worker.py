@@ -145,6 +145,10 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         model = build.build_model(cfg)
     task = TaskModule(precision.convert_module(model), build.build_loss(cfg), precision)
     strategy.module_to_device(task)
+    compile_arguments = build.compile_arguments(cfg)
+    if compile_arguments is not None:
+        # In place: the module keeps its state_dict keys, so checkpoints load with or without compile.
+        task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
     optimizer = build.build_optimizer(cfg, model.parameters())
     data = build.build_data(cfg)

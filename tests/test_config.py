@@ -131,6 +131,9 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["accelerator=cpu", "strategy=dp", "trainer.devices=2"], "needs accelerator=cuda for strategy=dp"),
     (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread is not allowed"),
     (["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0 must be a positive number"),
+    (["trainer.compile=fast"], "trainer.compile=fast must be true, false, or torch.compile's keyword arguments"),
+    (["trainer.compile={modee:default}"], "got an unexpected keyword argument 'modee' (torch.compile takes"),
+    (["strategy=dp", "trainer.compile=true"], "trainer.compile needs strategy=single or strategy=ddp"),
 ])
 def test_bad_setting_names_the_key(overrides: list[str], message: str) -> None:
     cfg = compose_config(["trainer.max_steps=10", *overrides])
