@@ -37,7 +37,7 @@ PY = sys.executable
 # The benchmark's job, as runner overrides (the hand-written script's defaults are the same values).
 JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_classes=10", "data.batch_size=64",
        "optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9"]
-SUITES = ("cli", "step", "logging", "ckpt")
+SUITES = ("cli", "step", "logging", "ckpt", "compile")
 
 Command = Callable[[int, Path], list[str]]  # (steps, run folder) -> argv
 SuiteResult = tuple[str, dict]  # (markdown table, raw numbers)
@@ -292,11 +292,33 @@ def suite_ckpt(args: argparse.Namespace) -> SuiteResult:
     return "\n".join([header, "|" + "---|" * 7, *rows]), data
 
 
+def suite_compile(args: argparse.Namespace) -> SuiteResult:
+    """The runner with `trainer.compile=true` against without, and both against the hand-written loop."""
+    rows, data = [], {}
+    for procs in args.procs:
+        print(f"compile suite: {procs} process(es)", flush=True)
+        cases = {"compiled": runner_cmd(args, procs, "trainer.compile=true"), "eager": runner_cmd(args, procs),
+                 "handwritten": handwritten_cmd(args, procs)}
+        raw = ab_pairs(cases, args)
+        c, e, h = (per_pair(raw[name], args) for name in cases)
+        data[f"{procs} process(es)"] = {"compiled": c, "eager": e, "handwritten": h}
+        rows.append(
+            f"| {procs} | {spread(c['step_inrun'], 1e3, 3)} | {spread(e['step_inrun'], 1e3, 3)} "
+            f"| **{spread(ratios(c['step_inrun'], e['step_inrun']), digits=3)}** "
+            f"| {spread(ratios(c['step_inrun'], h['step_inrun']), digits=3)} "
+            f"| {spread(ratios(c['cpu_diff'], e['cpu_diff']), digits=3)} "
+            f"| {spread(c['fixed'])} | {spread(e['fixed'])} |")
+    header = ("| procs | compiled ms/step (in-run) | eager ms/step (in-run) | compiled / eager (in-run) "
+              "| compiled / hand (in-run) | compiled / eager (CPU) | compiled fixed s | eager fixed s |")
+    return "\n".join([header, "|" + "---|" * 8, *rows]), data
+
+
 def main() -> None:
     args = parse_args()
     if max(args.steps) % args.log_every or min(args.steps) >= max(args.steps):
         sys.exit(f"--steps N1 N2 needs N1 < N2 and N2 a multiple of --log-every={args.log_every}")
-    suites = {"cli": suite_cli, "step": suite_step, "logging": suite_logging, "ckpt": suite_ckpt}
+    suites = {"cli": suite_cli, "step": suite_step, "logging": suite_logging, "ckpt": suite_ckpt,
+              "compile": suite_compile}
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}; OMP_NUM_THREADS={args.threads}; "
           f"steps N1={args.steps[0]} N2={args.steps[1]}; {args.pairs} pairs; accelerator={args.accelerator}",
           flush=True)

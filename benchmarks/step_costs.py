@@ -9,7 +9,8 @@ variants in blocks of steps (A B C A B C ...) and reporting the median per step:
   * step: `Loop._micro_step` (forward, backward, optimizer, scheduler, metric sums) against the
     hand-written step of handwritten.py (CPU time of this thread);
   * logging: the loop's step alone, with `Loop._log_train` after every step to a logger that does
-    nothing, and to TensorBoard (wall time: TensorBoard writes on a thread of its own).
+    nothing, and to TensorBoard (wall time, and the CPU time of all the process's threads, which also
+    counts work a logger hands to a thread of its own, as torch's SummaryWriter does).
 
     python benchmarks/compare.py ...            # whole runs
     python benchmarks/step_costs.py --blocks 30 # the pieces (CPU, one thread)
@@ -149,7 +150,7 @@ def step_costs(args: argparse.Namespace, cfg, batch: tuple) -> dict[str, float]:
     return alternate(variants, args, time.thread_time)
 
 
-def logging_costs(args: argparse.Namespace, batch: tuple) -> dict[str, float]:
+def logging_costs(args: argparse.Namespace, batch: tuple) -> tuple[dict[str, float], dict[str, float]]:
     from runner.loggers import NullLogger, TensorBoardLogger
 
     cfg = runner_config(log_every=1)
@@ -161,9 +162,11 @@ def logging_costs(args: argparse.Namespace, batch: tuple) -> dict[str, float]:
 
     variants = {"loop step, no log": lambda: plain._micro_step(*batch, sync=True),
                 "loop step + log, NullLogger": logged(null), "loop step + log, TensorBoard": logged(board)}
-    result = alternate(variants, args, time.perf_counter)
+    # Wall time sees what the training thread waits for; process CPU time also counts any writer thread.
+    result = {f"{name} (wall)": seconds for name, seconds in alternate(variants, args, time.perf_counter).items()}
+    cpu = alternate(variants, args, time.process_time)
     board.logger.finalize()
-    return result
+    return result, {f"{name} (CPU, all threads)": seconds for name, seconds in cpu.items()}
 
 
 def main() -> None:
@@ -173,7 +176,7 @@ def main() -> None:
     batch = (torch.randn(64, 64), torch.randint(0, 10, (64,)))
     print(f"torch threads {args.threads}; {args.blocks} blocks x {args.steps} steps per variant\n")
     print("| variant | us per call, median | vs first of its group |\n|---|---|---|")
-    for group in (data_costs(args, cfg), step_costs(args, cfg, batch), logging_costs(args, batch)):
+    for group in (data_costs(args, cfg), step_costs(args, cfg, batch), *logging_costs(args, batch)):
         first = next(iter(group.values()))
         for name, seconds in group.items():
             delta = f"{(seconds - first) * 1e6:+.1f} us ({seconds / first:.3f}x)"
