@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -147,6 +149,9 @@ def _check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
 
 
 def _one_line(error: BaseException) -> str:
+    """`Type: message` on one line; for a failed instantiate, of what the target itself raised."""
+    if isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
@@ -190,6 +195,11 @@ def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
         build_loss(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
         yield f"loss ({cfg.loss.get('_target_')}) does not accept its settings: {_one_line(error)}"
+    with tempfile.TemporaryDirectory() as scratch:  # a logger may create its folder when built
+        try:
+            build_logger(cfg, Path(scratch), enabled=True)
+        except Exception as error:  # noqa: BLE001
+            yield f"logger ({cfg.logger.get('_target_')}) does not accept its settings: {_one_line(error)}"
 
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:

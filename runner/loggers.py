@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -37,11 +38,12 @@ def _masked_crc(data: bytes) -> bytes:
 
 
 class EventFile:
-    """One TensorBoard event file, written on the calling thread.
+    """One TensorBoard event file, written on the calling thread and flushed every `flush_secs` by another.
 
     An event is ~100 bytes: serialising it, its checksum (C code) and a buffered write take a few
     microseconds. SummaryWriter hands each event to a thread that computes the checksum in pure Python
-    (~75 us an event), competing with the training thread for the interpreter.
+    (~75 us an event), competing with the training thread for the interpreter; the flushing thread here
+    wakes every `flush_secs` to make one write call, so a slow run's last events reach the disk as soon.
     """
 
     def __init__(self, log_dir: str, flush_secs: float, purge_step: Optional[int] = None) -> None:
@@ -52,11 +54,14 @@ class EventFile:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_numbers)}"
         self.path = os.path.join(log_dir, name)
         self._file = open(self.path, "wb")  # noqa: SIM115 - open for the life of the run, closed by close()
-        self.flush_secs, self._flushed = flush_secs, time.monotonic()
         self.write(Event(wall_time=time.time(), file_version="brain.Event:2"))
         if purge_step is not None:  # TensorBoard drops what earlier files logged at or after this step
             self.write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
-        self.flush()
+        self._file.flush()
+        self._closing = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_every, args=(flush_secs,), daemon=True,
+                                         name="runner-tensorboard-flush")
+        self._flusher.start()
 
     def add_summary(self, summary: Any, step: int = 0) -> None:
         self.write(self._event(wall_time=time.time(), step=step, summary=summary))
@@ -65,14 +70,14 @@ class EventFile:
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
         self._file.write(header + _masked_crc(header) + data + _masked_crc(data))
-        if time.monotonic() - self._flushed >= self.flush_secs:
-            self.flush()
 
-    def flush(self) -> None:
-        self._file.flush()
-        self._flushed = time.monotonic()
+    def _flush_every(self, seconds: float) -> None:
+        while not self._closing.wait(seconds):
+            self._file.flush()  # the buffered file's own lock orders this against write()
 
     def close(self) -> None:
+        self._closing.set()
+        self._flusher.join()
         self._file.close()
 
 
@@ -84,6 +89,8 @@ class TensorBoardLogger:
     """One event stream in `<root_dir>/<subdir>`, with the hyperparameters and final metrics for HParams."""
 
     def __init__(self, root_dir: str, subdir: str = "tensorboard", flush_secs: float = 30) -> None:
+        if not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
+            raise ValueError(f"flush_secs={flush_secs} must be a positive number of seconds")
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
         self._events: Optional[EventFile] = None

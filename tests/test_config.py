@@ -211,6 +211,8 @@ def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None
     [
         (["+optimizer.lrr=0.1"], "optimizer (torch.optim.AdamW) does not accept its settings: got an unexpected"),
         (["scheduler=step", "+scheduler.foo=1"], "scheduler (torch.optim.lr_scheduler.StepLR) does not accept"),
+        (["logger.flush_secs=0"], "logger (runner.loggers.TensorBoardLogger) does not accept its settings: "
+                                   "ValueError: flush_secs=0 must be a positive number of seconds"),
         (["cluster=slurm"], "cluster=slurm but this process was not started by srun"),
         (["cluster=torchelastic"], "cluster=torchelastic but this process was not started by torchrun"),
     ],
