@@ -83,10 +83,10 @@ def runner_cmd(args: argparse.Namespace, procs: int, *extra: str, log_every: int
                                f"data.num_samples={num_samples(max(args.steps), procs)}", f"hydra.run.dir={out}"]
 
 
-def handwritten_cmd(args: argparse.Namespace, procs: int) -> Command:
+def handwritten_cmd(args: argparse.Namespace, procs: int, log_every: int | None = None) -> Command:
     launch = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 else [PY]
     base = [*launch, str(HERE / "handwritten.py"), "--accelerator", args.accelerator, "--log-every",
-            str(args.log_every), "--num-samples", str(num_samples(max(args.steps), procs))]
+            str(log_every or args.log_every), "--num-samples", str(num_samples(max(args.steps), procs))]
     return lambda steps, out: [*base, "--steps", str(steps), "--out", str(out)]
 
 
@@ -241,21 +241,25 @@ def suite_step(args: argparse.Namespace) -> SuiteResult:
 
 
 def suite_logging(args: argparse.Namespace) -> SuiteResult:
-    """The runner logging every step against every `--log-every` steps."""
+    """Logging every step against every `--log-every` steps: the runner, and the hand-written loop alike."""
     rows, data = [], {}
     for procs in args.procs:
         print(f"logging suite: {procs} process(es)", flush=True)
-        cases = {"log every 1": runner_cmd(args, procs, log_every=1), "log default": runner_cmd(args, procs)}
-        every, default = (per_pair(runs, args) for runs in ab_pairs(cases, args).values())
-        data[f"{procs} process(es)"] = {"log every 1": every, f"log every {args.log_every}": default}
-        rows.append(
-            f"| {procs} | {spread(every['step_diff'], 1e3, 3)} | {spread(default['step_diff'], 1e3, 3)} "
-            f"| **{spread(ratios(every['step_diff'], default['step_diff']), digits=3)}** "
-            f"| {spread(ratios(every['step_inrun'], default['step_inrun']), digits=3)} "
-            f"| {spread(ratios(every['cpu_diff'], default['cpu_diff']), digits=3)} |")
-    header = (f"| procs | every step ms/step (diff) | every {args.log_every} ms/step (diff) | ratio (diff) "
+        cases = {"runner every 1": runner_cmd(args, procs, log_every=1), "runner default": runner_cmd(args, procs),
+                 "hand every 1": handwritten_cmd(args, procs, log_every=1),
+                 "hand default": handwritten_cmd(args, procs)}
+        runs = {name: per_pair(raw, args) for name, raw in ab_pairs(cases, args).items()}
+        data[f"{procs} process(es)"] = runs
+        for who in ("runner", "hand"):
+            every, default = runs[f"{who} every 1"], runs[f"{who} default"]
+            rows.append(
+                f"| {procs} | {who} | {spread(every['step_diff'], 1e3, 3)} | {spread(default['step_diff'], 1e3, 3)} "
+                f"| **{spread(ratios(every['step_diff'], default['step_diff']), digits=3)}** "
+                f"| {spread(ratios(every['step_inrun'], default['step_inrun']), digits=3)} "
+                f"| {spread(ratios(every['cpu_diff'], default['cpu_diff']), digits=3)} |")
+    header = (f"| procs | loop | every step ms/step (diff) | every {args.log_every} ms/step (diff) | ratio (diff) "
               "| ratio (in-run) | ratio (CPU) |")
-    return "\n".join([header, "|" + "---|" * 6, *rows]), data
+    return "\n".join([header, "|" + "---|" * 7, *rows]), data
 
 
 def save_cost(runs: list[list[Run]], every: int) -> list[float]:

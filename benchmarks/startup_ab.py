@@ -1,0 +1,82 @@
+"""Start-up of two or more code snapshots of the runner, alternated: launch -> the loop's first step.
+
+Each snapshot is a folder holding `runner/` and `conf/` (e.g. `git archive <commit> | tar -x -C /tmp/snap`),
+put first on PYTHONPATH for its runs, so edits to the working tree cannot get in. `--hand` adds the
+hand-written script (benchmarks/handwritten.py of the first snapshot) as one more variant.
+
+    python benchmarks/startup_ab.py /tmp/snap-a /tmp/snap-b --procs 1 --pairs 16
+    python benchmarks/startup_ab.py /tmp/snap-a /tmp/snap-b --procs 2 --pairs 6 --hand
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_classes=10", "data.batch_size=64",
+       "optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9", "accelerator=cpu", "trainer.max_steps=20",
+       "trainer.log_every_n_steps=50"]
+
+
+def first_step(out: Path) -> float:
+    """The wall-clock time of the runner's `global batch ...` line, logged just before the first step."""
+    line = next(line for line in (out / "runner.log").read_text().splitlines() if "global batch" in line)
+    return datetime.strptime(re.match(r"\[(.*?)\]", line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def command(variant: str, procs: int, hand_script: Path, out: Path) -> list[str]:
+    if variant == "hand":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        return [*(launch if procs > 1 else [sys.executable]), str(hand_script), "--steps", "20", "--out", str(out)]
+    strategy = f"strategy={'ddp' if procs > 1 else 'single'}"
+    return [sys.executable, "-m", "runner", *JOB, strategy, f"trainer.devices={procs}", f"hydra.run.dir={out}"]
+
+
+def start_up(variant: str, procs: int, hand_script: Path) -> float:
+    scratch = Path(tempfile.mkdtemp(prefix="startup-"))
+    out = scratch / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if variant != "hand":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [variant, os.environ.get("PYTHONPATH")]))
+    try:
+        launched = time.time()
+        done = subprocess.run(command(variant, procs, hand_script, out), env=env, cwd=scratch, capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
+        started = float((out / "loop_start").read_text()) if variant == "hand" else first_step(out)
+        return started - launched
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("snapshots", nargs="+", help="folders with runner/ and conf/")
+    p.add_argument("--procs", type=int, default=1)
+    p.add_argument("--pairs", type=int, default=10)
+    p.add_argument("--hand", action="store_true", help="also time benchmarks/handwritten.py")
+    args = p.parse_args()
+    variants = [str(Path(s).resolve()) for s in args.snapshots] + (["hand"] if args.hand else [])
+    hand_script = Path(variants[0]) / "benchmarks" / "handwritten.py"
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for pair in range(args.pairs):
+        order = variants if pair % 2 == 0 else variants[::-1]
+        for variant in order:
+            times[variant].append(start_up(variant, args.procs, hand_script))
+        print(f"pair {pair + 1}: " + "  ".join(f"{v} {t[-1]:.3f}s" for v, t in times.items()), flush=True)
+    for variant, t in times.items():
+        print(f"{variant}: median {statistics.median(t):.3f} s (min {min(t):.3f}, max {max(t):.3f})")
+
+
+if __name__ == "__main__":
+    main()
