@@ -66,6 +66,27 @@ def test_hydra_flags(tmp_path: Path, flag: tuple[str, ...], expected: str) -> No
     assert list(tmp_path.iterdir()) == [], "printing the config must not create a run folder"
 
 
+IMPORTED_AFTER_FLAG = """
+import sys
+from runner.cli import main
+sys.argv = ["runner", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "tensorboard"}))
+"""
+
+
+@pytest.mark.parametrize("flag", [("--cfg", "job"), ("--help",)])
+def test_printing_flags_import_neither_torch_nor_tensorboard(tmp_path: Path, flag: tuple[str, ...]) -> None:
+    """They answer in well under a second because they never load torch (about a second alone)."""
+    result = subprocess.run([sys.executable, "-c", IMPORTED_AFTER_FLAG, *flag], cwd=tmp_path, env=clean_environ(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 # Bad input: (id, overrides, a text the message must contain). {tmp} is this module's scratch folder.
 BAD_INPUT = [
     ("unknown-strategy", ["strategy=nonexistent"], "strategy/nonexistent"),
