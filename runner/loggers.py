@@ -94,6 +94,7 @@ class TensorBoardLogger:
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
         self._events: Optional[EventFile] = None
+        self._summary: Any = None  # tensorboard's Summary message, imported with the first write
         self._purge_step: Optional[int] = None
         self._last_step = 0
         self._logged: set[str] = set()
