@@ -96,6 +96,12 @@ def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
     return instantiate(cfg.logger, root_dir=str(run_dir)) if enabled else NullLogger()
 
 
+def _strategy_class(cfg: DictConfig) -> Any:
+    """The class `strategy._target_` names, or None when it names a factory function."""
+    target = get_method(cfg.strategy._target_)
+    return target if inspect.isclass(target) else None
+
+
 # -- checks that need the hardware or the cluster ----------------------------------------------------
 
 def _check_components(cfg: DictConfig) -> Iterator[str]:
@@ -113,8 +119,7 @@ def _check_components(cfg: DictConfig) -> Iterator[str]:
     if kind != "cpu" and (not indices or max(indices) >= available):
         yield f"trainer.devices={cfg.trainer.devices} but only {available} {kind.upper()} device(s) are visible"
         return
-    strategy_class = get_method(cfg.strategy._target_)
-    strategy_class = strategy_class if inspect.isclass(strategy_class) else None
+    strategy_class = _strategy_class(cfg)
     if strategy_class and issubclass(strategy_class, SingleDeviceStrategy) and len(indices) > 1:
         yield (f"trainer.devices={cfg.trainer.devices} needs strategy=ddp or strategy=dp "
                "(strategy=single runs on one device)")
@@ -182,8 +187,8 @@ def _check_compile(cfg: DictConfig) -> Iterator[str]:
     except TypeError as error:
         allowed = ", ".join(p for p in inspect.signature(torch.compile).parameters if p != "model")
         yield f"trainer.compile={arguments}: {error} (torch.compile takes {allowed})"
-    strategy_class = get_method(cfg.strategy._target_)
-    if inspect.isclass(strategy_class) and issubclass(strategy_class, DataParallelStrategy):
+    strategy_class = _strategy_class(cfg)
+    if strategy_class and issubclass(strategy_class, DataParallelStrategy):
         yield ("trainer.compile needs strategy=single or strategy=ddp: DataParallel copies the module to every "
                "device at every step, and the copies would run the original's compiled code")
 
