@@ -95,8 +95,10 @@ class ElasticLauncher:
             with _worker_environment(self.num_processes, deterministic):
                 elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
-            rank, failure = err.get_first_failure()
-            raise WorkerFailed(rank, _describe(rank, failure)) from None
+            rank = _first_cause(err.failures)
+            others = "".join(f"\nthen rank {other}: {_summary(failure)}"
+                             for other, failure in sorted(err.failures.items()) if other != rank)
+            raise WorkerFailed(rank, _describe(rank, err.failures[rank]) + others) from None
         except SignalException as err:  # the agent already passed the signal on and waited for the workers
             raise JobStopped(int(err.sigval), run_dir) from None
         finally:
@@ -104,17 +106,50 @@ class ElasticLauncher:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _describe(rank: int, failure: object) -> str:
+# What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+              "remote process exited")
+
+
+def _first_cause(failures: dict[int, object]) -> int:
+    """The rank whose failure started it: the earliest one that is not a peer's death seen from the other side.
+
+    The agent's own "first failure" goes by timestamps in whole seconds, and a killed worker leaves none of its
+    own (the agent stamps it when it notices), so the survivors' "connection closed" often looks as early.
+    """
+    def key(rank: int) -> tuple[bool, int, int]:
+        trace = _trace(failures[rank]) or ""
+        consequence = any(pattern in trace.lower() for pattern in _PEER_GONE)
+        return consequence, getattr(failures[rank], "timestamp", 0), rank
+    return min(failures, key=key)
+
+
+def _trace(failure: object) -> str | None:
     data = getattr(failure, "error_file_data", None) or {}
     detail = data.get("message", {}) if isinstance(data, dict) else {}
-    trace = detail.get("extraInfo", {}).get("py_callstack") if isinstance(detail, dict) else None
+    return detail.get("extraInfo", {}).get("py_callstack") if isinstance(detail, dict) else None
+
+
+def _summary(failure: object) -> str:
+    """One line: the last line of the traceback, or how the process ended."""
+    trace = _trace(failure)
+    if trace and trace.strip():
+        return trace.strip().splitlines()[-1].strip()
+    return _ending(failure)
+
+
+def _ending(failure: object) -> str:
+    code = getattr(failure, "exitcode", None)
+    name = getattr(failure, "signal_name", lambda: "")()
+    return f"was killed by {name}" if code is not None and code < 0 else f"exited with code {code}"
+
+
+def _describe(rank: int, failure: object) -> str:
+    trace = _trace(failure)
     if trace:
         hint = ""
         if "timed out" in trace.lower():
             hint = (f"\nrank {rank} waited longer than strategy.timeout in a collective that another rank never "
                     "reached: that rank is stuck or slow (its log: runner.log for rank 0, rank_<k>.log otherwise)")
         return f"rank {rank} failed:\n{trace.rstrip()}{hint}"
-    code = getattr(failure, "exitcode", None)
-    signal = getattr(failure, "signal_name", lambda: "")()
-    how = f"was killed by {signal}" if code is not None and code < 0 else f"exited with code {code}"
-    return f"rank {rank} {how} (see its log: runner.log for rank 0, rank_{rank}.log otherwise)"
+    return f"rank {rank} {_ending(failure)} (see its log: runner.log for rank 0, rank_{rank}.log otherwise)"

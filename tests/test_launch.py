@@ -13,6 +13,7 @@ from typing import Optional
 import pytest
 
 from _dist import TESTS_DIR, clean_environ, processes_mentioning, run_cli
+from runner.launch import _first_cause
 
 # Run in a fresh interpreter (cwd: tests/, so workers import `faulty`): compose, snapshot os.environ, fit, compare.
 FIT_SCRIPT = """
@@ -83,3 +84,38 @@ def test_failing_rank_ends_the_job(tmp_path: Path, how: str, error: str) -> None
         time.sleep(0.2)
     assert processes_mentioning(str(run_dir)) == []
     assert not (run_dir / "metrics.json").exists()
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, trace: Optional[str] = None, timestamp: int = 0) -> object:
+    """A ProcessFailure as the agent builds it: from the worker's error file, or stamped now when it left none."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error_{rank}.json"
+    if trace is not None:
+        message = {"message": trace.splitlines()[-1], "extraInfo": {"py_callstack": trace, "timestamp": str(timestamp)}}
+        error_file.write_text(json.dumps({"message": message}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+PEER_CLOSED = "Traceback...\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:19373."
+
+
+def test_a_killed_rank_is_the_cause_not_the_rank_that_lost_its_peer(tmp_path: Path) -> None:
+    # The survivor's error file is stamped a second before the agent noticed the killed rank: still its consequence.
+    failures = {0: _failure(tmp_path, 0, 1, PEER_CLOSED, timestamp=int(time.time()) - 1),
+                1: _failure(tmp_path, 1, -9)}
+    assert _first_cause(failures) == 1
+
+
+def test_a_raising_rank_is_the_cause_on_a_tie(tmp_path: Path) -> None:
+    failures = {0: _failure(tmp_path, 0, 1, PEER_CLOSED, timestamp=100),
+                1: _failure(tmp_path, 1, 1, "Traceback...\nRuntimeError: injected failure at step 3", timestamp=100)}
+    assert _first_cause(failures) == 1
+
+
+def test_of_two_real_failures_the_earlier_one_is_the_cause(tmp_path: Path) -> None:
+    failures = {0: _failure(tmp_path, 0, 1, "Traceback...\nValueError: late", timestamp=101),
+                1: _failure(tmp_path, 1, 1, "Traceback...\nValueError: early", timestamp=100)}
+    assert _first_cause(failures) == 1
+    failures[0] = _failure(tmp_path, 0, 1, "Traceback...\nValueError: as early", timestamp=100)
+    assert _first_cause(failures) == 0  # a tie goes to the lower rank
