@@ -115,11 +115,15 @@ def _first_cause(failures: dict[int, object]) -> int:
     """The rank whose failure started it: the earliest one that is not a peer's death seen from the other side.
 
     The agent's own "first failure" goes by timestamps in whole seconds, and a killed worker leaves none of its
-    own (the agent stamps it when it notices), so the survivors' "connection closed" often looks as early.
+    own (the agent stamps it when it notices), so the survivors' "connection closed", or the SIGTERM the agent
+    sent them, often looks as early.
     """
     def key(rank: int) -> tuple[bool, int, int]:
-        trace = _trace(failures[rank]) or ""
-        consequence = any(pattern in trace.lower() for pattern in _PEER_GONE)
+        trace = _trace(failures[rank])
+        if trace is None:  # on the first failure the agent SIGTERMs the others, and lists them as failed too
+            consequence = getattr(failures[rank], "exitcode", None) == -signal.SIGTERM
+        else:
+            consequence = any(pattern in trace.lower() for pattern in _PEER_GONE)
         return consequence, getattr(failures[rank], "timestamp", 0), rank
     return min(failures, key=key)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,15 @@ def test_a_killed_rank_is_the_cause_not_the_rank_that_lost_its_peer(tmp_path: Pa
     failures = {0: _failure(tmp_path, 0, 1, PEER_CLOSED, timestamp=int(time.time()) - 1),
                 1: _failure(tmp_path, 1, -9)}
     assert _first_cause(failures) == 1
+
+
+def test_a_killed_rank_is_the_cause_not_the_rank_the_agent_then_stopped(tmp_path: Path) -> None:
+    # Both stamped by the agent in the same second: the SIGTERM is the agent's own, sent after it saw the SIGKILL.
+    failures = {0: _failure(tmp_path, 0, -signal.SIGTERM), 1: _failure(tmp_path, 1, -signal.SIGKILL)}
+    assert _first_cause(failures) == 1
+    failures[1] = _failure(tmp_path, 1, 1, PEER_CLOSED)
+    failures[2] = _failure(tmp_path, 2, 1, "Traceback...\nRuntimeError: injected failure at step 3")
+    assert _first_cause(failures) == 2
 
 
 def test_a_raising_rank_is_the_cause_on_a_tie(tmp_path: Path) -> None:
