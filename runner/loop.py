@@ -34,7 +34,7 @@ class NonFiniteGuard:
     the optimizer step they belong to.
 
     Enabled, it costs one tiny all-reduce and host sync per micro-batch; disabled, it does nothing per
-    step, and a non-finite loss stops the run at the next log step (a NaN poisons the loss sum).
+    step, and a non-finite loss stops the run just after the next log step (a NaN poisons the loss sum).
     """
 
     def __init__(self, strategy: Any, enabled: bool) -> None:
@@ -63,6 +63,18 @@ class Progress:
     epoch: int = 0
     batch: int = 0  # micro-batches this process has trained on in the current epoch
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _PendingLog:
+    """A log step's metric sums on their way through the all-reduce, with what it read at that step."""
+
+    reduced: Callable[[], torch.Tensor]
+    step: int
+    epoch: int
+    elapsed: float  # seconds of training the sums cover
+    lr: float
+    skipped: int
 
 
 @dataclass
@@ -128,6 +140,7 @@ class Loop:
         self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
         self._last_val_step = -1
         self._last_log_step = -1
+        self._pending: _PendingLog | None = None
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -181,38 +194,63 @@ class Loop:
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
         s, step = self.schedule, self.progress.step
-        stop = False
-        if step % s.log_every == 0 or step % s.ckpt_every == 0:
-            stop = self._log_train()
-        if step % s.val_every == 0:
+        stop = self._collect_log()  # the last log step's sums, reduced while this step trained
+        periodic = step % s.ckpt_every == 0
+        if step % s.log_every == 0 or periodic:
+            self._start_log()
+        validate = step % s.val_every == 0
+        if validate or periodic or stop:
+            # A checkpoint never holds weights a NaN went into, and a step's train line comes before its val line.
+            stop = self._collect_log() or stop
+        if validate:
             self._validate()
-        if s.save and (step % s.ckpt_every == 0 or stop):
-            self._save(periodic=step % s.ckpt_every == 0)
+        if s.save and (periodic or stop):
+            self._save(periodic=periodic)
         return stop
 
     # -- metrics ------------------------------------------------------------------------------------
-    def _log_train(self) -> bool:
-        """Reduce the sums since the last log over all processes; every process calls this at the same step."""
+    def _start_log(self) -> None:
+        """Start reducing the sums since the last log over all processes; every process calls this at the same step.
+
+        The reduction runs while the next step trains; `_collect_log` logs it at the step it was started.
+        """
         self._sums[STOP] = float(self.stop_requested())
-        sums = self.strategy.all_reduce(self._sums, reduce_op="sum").tolist()
+        now = time.perf_counter()
+        self._pending = _PendingLog(
+            reduced=self.strategy.start_all_reduce(self._sums, reduce_op="sum"), step=self.progress.step,
+            epoch=self.progress.epoch, elapsed=now - self._tick, lr=self.optimizer.param_groups[0]["lr"],
+            skipped=self.guard.skipped)
+        self._tick = now
         self._sums.zero_()
-        elapsed, self._tick = time.perf_counter() - self._tick, time.perf_counter()
-        if not math.isfinite(sums[LOSS_SUM]):
-            raise NonFiniteLossError(self._nonfinite_message())
         self._last_log_step = self.progress.step
+
+    def _collect_log(self) -> bool:
+        """Log the reduction `_start_log` started, if any. Returns True when some process asked to stop."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        sums = pending.reduced().tolist()
+        if not math.isfinite(sums[LOSS_SUM]):
+            raise NonFiniteLossError(self._nonfinite_message(pending.step))
         if not sums[COUNT]:  # nothing trained since the last log (all skipped): keep the last values
             return sums[STOP] > 0
-        metrics = {"train/loss": sums[LOSS_SUM] / max(sums[COUNT], 1), "lr": self.optimizer.param_groups[0]["lr"],
-                   "throughput/samples_per_s": sums[COUNT] / max(elapsed, 1e-9)}
+        metrics = {"train/loss": sums[LOSS_SUM] / max(sums[COUNT], 1), "lr": pending.lr,
+                   "throughput/samples_per_s": sums[COUNT] / max(pending.elapsed, 1e-9)}
         if sums[HAS_CORRECT]:
             metrics["train/acc"] = sums[CORRECT] / max(sums[COUNT], 1)
         if self.guard.enabled:
-            metrics["train/skipped_steps"] = float(self.guard.skipped)
+            metrics["train/skipped_steps"] = float(pending.skipped)
         self.progress.metrics.update(metrics)
-        self.logger.log_metrics(metrics, self.progress.step)
+        self.logger.log_metrics(metrics, pending.step)
         if self.strategy.is_global_zero:
-            self._print_progress(metrics)
+            self._print_progress(metrics, pending.step, pending.epoch)
         return sums[STOP] > 0
+
+    def _log_train(self) -> bool:
+        """Reduce and log the sums since the last log now. Returns True when some process asked to stop."""
+        stop = self._collect_log()
+        self._start_log()
+        return self._collect_log() or stop
 
     def _validate(self) -> None:
         if self.val is None or self._last_val_step == self.progress.step:
@@ -286,6 +324,7 @@ class Loop:
     # -- start and end ------------------------------------------------------------------------------
     def _finish(self, stopped: bool) -> dict:
         p = self.progress
+        stopped = self._collect_log() or stopped
         if not stopped:
             if self._last_log_step != p.step:
                 self._log_train()
@@ -319,22 +358,22 @@ class Loop:
                 f"fewer than trainer.accumulate_grad_batches={self.schedule.accumulate} or limited to zero by "
                 "trainer.limit_train_batches; use more samples or a smaller batch")
 
-    def _nonfinite_message(self) -> str:
+    def _nonfinite_message(self, step: int) -> str:
         last = self.run_dir / "checkpoints" / "last.ckpt"
         where = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved yet"
-        return (f"the training loss became NaN or infinite before step {self.progress.step} "
+        return (f"the training loss became NaN or infinite before step {step} "
                 f"(checked every trainer.log_every_n_steps={self.schedule.log_every} steps); {where}")
 
-    def _print_progress(self, metrics: dict) -> None:
+    def _print_progress(self, metrics: dict, step: int, epoch: int) -> None:
         """A terminal gets one line rewritten at every log step; a log file one line every PROGRESS_LOG_S."""
-        s, p = self.schedule, self.progress
+        s = self.schedule
         total = min(s.max_steps, s.max_epochs * (s.batches_per_epoch // s.accumulate))
         now = time.monotonic()
-        if not self._show_progress and now - self._last_progress_log < PROGRESS_LOG_S and p.step < total:
+        if not self._show_progress and now - self._last_progress_log < PROGRESS_LOG_S and step < total:
             return
         rate = metrics["throughput/samples_per_s"] / self.global_batch
-        eta = (total - p.step) / rate if rate and total < math.inf else float("nan")
-        line = (f"step {p.step}/{total if total < math.inf else '?'}  epoch {p.epoch}  "
+        eta = (total - step) / rate if rate and total < math.inf else float("nan")
+        line = (f"step {step}/{total if total < math.inf else '?'}  epoch {epoch}  "
                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
                 f"eta {eta:.0f}s")
         if not self._show_progress:

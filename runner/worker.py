@@ -58,7 +58,7 @@ class StopRequest:
                 raise KeyboardInterrupt
             return  # a repeated SIGTERM/SIGUSR1 (several senders, or a re-sent notice) changes nothing
         self.signal = signum
-        log.warning("received %s: stopping at the next log step, after saving last.ckpt",
+        log.warning("received %s: stopping just after the next log step, after saving last.ckpt",
                     signal.Signals(signum).name)
 
     @contextmanager

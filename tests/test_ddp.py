@@ -37,6 +37,11 @@ def _collectives(strategy: DDPStrategy, rank: int) -> dict[str, Any]:
     transposed = (torch.arange(6.0).reshape(2, 3) * (rank + 1)).t()  # not contiguous
     out["transposed_sum"] = strategy.all_reduce(transposed, reduce_op="sum").tolist()
     out["reduce"] = strategy.reduce(value, reduce_op="sum").item()
+    source = torch.tensor([float(rank + 1)])
+    first = strategy.start_all_reduce(source, reduce_op="sum")
+    second = strategy.start_all_reduce(torch.tensor(rank + 1), reduce_op="mean")
+    source.fill_(100.0)  # the caller's tensor changes while its reduction is in flight
+    out["started"] = (second().item(), first().tolist(), source.item())  # waited for out of order
     out["non_tensors"] = (strategy.all_reduce(rank + 1), strategy.all_reduce("text"), strategy.all_reduce(None))
     try:
         strategy.all_reduce(value, reduce_op="median")
@@ -146,6 +151,7 @@ def test_all_reduce_known_answers(ranks: list[dict[str, Any]], rank: int) -> Non
     assert out["vector_mean"] == [0.5, 1.0]
     assert out["transposed_sum"] == [[0.0, 9.0], [3.0, 12.0], [6.0, 15.0]]
     assert out["reduce"] == 3.0
+    assert out["started"] == (1.5, [3.0], 100.0)
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _dist import assert_ok, assert_one_run_folder, run_cli, torchrun
+from conftest import read_events
 
 pytestmark = pytest.mark.slow  # each test starts 2 processes from a fresh interpreter
 
@@ -63,7 +64,8 @@ def _final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
     # 256 samples / global batch 32 = 8 steps per epoch: 12 steps cross an epoch boundary (a reshuffle).
     common = ["accelerator=cpu", "data=synthetic", "model=mlp", "optimizer=sgd", "trainer.max_steps=12",
-              "trainer.max_epochs=-1", "data.num_samples=256", "data.val_samples=333", "trainer.seed=7"]
+              "trainer.max_epochs=-1", "data.num_samples=256", "data.val_samples=333", "trainer.seed=7",
+              "trainer.log_every_n_steps=1"]
     assert_ok(run_cli([*common, "strategy=ddp", "trainer.devices=2", "data.batch_size=16",
                        f"hydra.run.dir={tmp_path / 'two'}"], cwd=tmp_path))
     assert_ok(run_cli([*common, "strategy=single", "trainer.devices=1", "data.batch_size=32",
@@ -77,6 +79,12 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
     # 333 validation samples do not split evenly over 2 processes; each must still count exactly once.
     assert metrics_two["val/loss"] == pytest.approx(metrics_one["val/loss"], abs=1e-5)
     assert metrics_two["val/acc"] == pytest.approx(metrics_one["val/acc"], abs=1e-9)
+    # Every step logged: each step's sums are reduced over the 2 processes while the next step trains.
+    for tag in ("train/loss", "train/acc"):
+        two = [(event.step, event.value) for event in read_events(tmp_path / "two").Scalars(tag)]
+        one = [(event.step, event.value) for event in read_events(tmp_path / "one").Scalars(tag)]
+        assert [step for step, _ in two] == [step for step, _ in one] == list(range(1, 13)), tag
+        assert [value for _, value in two] == pytest.approx([value for _, value in one], abs=1e-5), tag
 
 
 def test_torchrun_with_devices_auto_takes_the_processes_torchrun_started(tmp_path: Path) -> None:

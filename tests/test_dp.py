@@ -89,6 +89,9 @@ def test_all_reduce_broadcast_barrier_decision_pass_through() -> None:
     strategy = DataParallelStrategy()
     tensor = torch.tensor([1.0, 3.0])
     assert strategy.all_reduce(tensor) is tensor
+    started = strategy.start_all_reduce(tensor, reduce_op="sum")
+    tensor.add_(1.0)
+    assert started().tolist() == [1.0, 3.0]  # a copy: what the caller does to its tensor later does not reach it
     obj = {"a": [1, 2]}
     assert strategy.broadcast(obj, src=0) is obj
     assert strategy.barrier("name") is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from contextlib import nullcontext
-from typing import Any, ContextManager, Literal, Optional, Union
+from typing import Any, Callable, ContextManager, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -133,8 +133,15 @@ class DDPStrategy(Strategy):
     # -- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce `tensor` over all processes. 'mean' divides a sum; integer tensors come back as floats."""
+        return self.start_all_reduce(tensor, group, reduce_op)()
+
+    def start_all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Callable[[], Any]:
+        """`all_reduce` without waiting: the reduction runs on the process group's thread while this one goes on.
+
+        Calling the result waits for it and returns the reduced copy; `tensor` itself is free to change.
+        """
         if not isinstance(tensor, torch.Tensor):
-            return tensor
+            return lambda: tensor
         mean = isinstance(reduce_op, str) and reduce_op.lower() in _MEAN_NAMES
         op = _resolve_op(reduce_op)
         if mean and not (tensor.is_floating_point() or tensor.is_complex()):
@@ -142,10 +149,12 @@ class DDPStrategy(Strategy):
             tensor = tensor.double()
         else:
             tensor = tensor.clone()
-        dist.all_reduce(tensor, op=op, group=group)
-        if mean:
-            tensor = tensor / dist.get_world_size(group)
-        return tensor
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return tensor / dist.get_world_size(group) if mean else tensor
+        return wait
 
     def reduce(self, collection: Any, *args: Any, **kwargs: Any) -> Any:
         return self.all_reduce(collection, *args, **kwargs)

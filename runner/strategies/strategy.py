@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager, Optional, TypeVar
+from typing import Any, Callable, ContextManager, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -100,6 +100,14 @@ class Strategy:
     # -- collectives (identity for one process) -------------------------------------------------
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         return tensor
+
+    def start_all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Callable[[], Any]:
+        """Start `all_reduce` of a copy of `tensor` and return at once; calling the result waits and returns it.
+
+        Every process must start the same reductions in the same order, as with `all_reduce`.
+        """
+        result = self.all_reduce(tensor.clone() if isinstance(tensor, torch.Tensor) else tensor, group, reduce_op)
+        return lambda: result
 
     def reduce(self, collection: Any, *args: Any, **kwargs: Any) -> Any:
         return collection
