@@ -14,6 +14,7 @@ script's `loop_start` file). Peak memory is each process's max RSS (benchmarks/r
     python benchmarks/compare.py                       # all suites on CPU, 1 and 2 processes
     python benchmarks/compare.py --suite step --procs 2 --pairs 3
     python benchmarks/compare.py --accelerator cuda    # the same work on GPUs
+    python benchmarks/compare.py --suite versions --procs 2 --snapshots /tmp/snap-a /tmp/snap-b  # code A/B
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ PY = sys.executable
 # The benchmark's job, as runner overrides (the hand-written script's defaults are the same values).
 JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_classes=10", "data.batch_size=64",
        "optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9"]
-SUITES = ("cli", "step", "logging", "ckpt", "compile")
+SUITES = ("cli", "step", "logging", "ckpt", "compile", "versions")
 
 Command = Callable[[int, Path], list[str]]  # (steps, run folder) -> argv
 SuiteResult = tuple[str, dict]  # (markdown table, raw numbers)
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every process of every run")
     p.add_argument("--cli-repeats", type=int, default=10)
     p.add_argument("--json", type=Path, help="write every raw measurement here")
+    p.add_argument("--snapshots", type=Path, nargs="+", default=[],
+                   help="for --suite versions: folders holding runner/ and conf/ (git archive <commit> | tar -x -C DIR)")
     return p.parse_args(argv)
 
 
@@ -75,9 +78,12 @@ def num_samples(steps: int, procs: int) -> int:
     return max(4096, steps * 64 * procs)
 
 
-def runner_cmd(args: argparse.Namespace, procs: int, *extra: str, log_every: int | None = None) -> Command:
+def runner_cmd(args: argparse.Namespace, procs: int, *extra: str, log_every: int | None = None,
+               snapshot: Path | None = None) -> Command:
+    """The runner's command line; from `snapshot`'s code (first on PYTHONPATH) when given."""
     strategy = "ddp" if procs > 1 else "single"
-    base = [PY, "-m", "runner", *JOB, f"accelerator={args.accelerator}", f"strategy={strategy}",
+    path = [str(snapshot.resolve()), str(HERE / "rss_probe"), os.environ.get("PYTHONPATH")] if snapshot else []
+    base = [*(["env", "PYTHONPATH=" + os.pathsep.join(filter(None, path))] if snapshot else []), PY, "-m", "runner", *JOB, f"accelerator={args.accelerator}", f"strategy={strategy}",
             f"trainer.devices={procs}", f"trainer.log_every_n_steps={log_every or args.log_every}", *extra]
     return lambda steps, out: [*base, f"trainer.max_steps={steps}",
                                f"data.num_samples={num_samples(max(args.steps), procs)}", f"hydra.run.dir={out}"]
@@ -317,12 +323,38 @@ def suite_compile(args: argparse.Namespace) -> SuiteResult:
     return "\n".join([header, "|" + "---|" * 8, *rows]), data
 
 
+def suite_versions(args: argparse.Namespace) -> SuiteResult:
+    """The same runner job from two or more code snapshots, logging every step and every `--log-every` steps."""
+    if len(args.snapshots) < 2:
+        sys.exit("--suite versions needs --snapshots A B [...]: folders holding runner/ and conf/")
+    rows, data = [], {}
+    for procs in args.procs:
+        print(f"versions suite: {procs} process(es)", flush=True)
+        cases = {f"{snap.name} every {every}": runner_cmd(args, procs, log_every=every, snapshot=snap)
+                 for every in (1, args.log_every) for snap in args.snapshots}
+        runs = {name: per_pair(raw, args) for name, raw in ab_pairs(cases, args).items()}
+        data[f"{procs} process(es)"] = runs
+        for every in (1, args.log_every):
+            first = runs[f"{args.snapshots[0].name} every {every}"]
+            for snap in args.snapshots:
+                r = runs[f"{snap.name} every {every}"]
+                rows.append(
+                    f"| {procs} | {every} | {snap.name} | {spread(r['step_diff'], 1e3, 3)} "
+                    f"| {spread(r['step_inrun'], 1e3, 3)} "
+                    f"| **{spread(ratios(r['step_inrun'], first['step_inrun']), digits=3)}** "
+                    f"| {spread(ratios(r['step_diff'], first['step_diff']), digits=3)} "
+                    f"| {spread(ratios(r['cpu_diff'], first['cpu_diff']), digits=3)} |")
+    header = ("| procs | log every | snapshot | ms/step (diff) | ms/step (in-run) | ratio to the first (in-run) "
+              "| ratio (diff) | ratio (CPU) |")
+    return "\n".join([header, "|" + "---|" * 8, *rows]), data
+
+
 def main() -> None:
     args = parse_args()
     if max(args.steps) % args.log_every or min(args.steps) >= max(args.steps):
         sys.exit(f"--steps N1 N2 needs N1 < N2 and N2 a multiple of --log-every={args.log_every}")
     suites = {"cli": suite_cli, "step": suite_step, "logging": suite_logging, "ckpt": suite_ckpt,
-              "compile": suite_compile}
+              "compile": suite_compile, "versions": suite_versions}
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}; OMP_NUM_THREADS={args.threads}; "
           f"steps N1={args.steps[0]} N2={args.steps[1]}; {args.pairs} pairs; accelerator={args.accelerator}",
           flush=True)
