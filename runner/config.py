@@ -59,7 +59,8 @@ class RunnerConfig:
     data: Any = None
     optimizer: Any = None
     scheduler: Any = None
-    loss: Any = None
+    task: Any = None
+    metrics: Any = None  # name -> metric spec (or a list of specs)
     logger: Any = None
     objective: str = "val/loss"  # the metric a sweep optimises
     direction: str = "minimize"

@@ -69,6 +69,41 @@ class SyntheticClassification:
         self.val_dataset = make(val_samples)
 
 
+class SyntheticRegression:
+    """A learnable regression task made in memory: targets (N, num_outputs) of a fixed random teacher, plus noise."""
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        val_samples: int = 1000,
+        num_features: int = 32,
+        num_outputs: int = 1,
+        noise: float = 0.1,
+        batch_size: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        for name, value in (("num_samples", num_samples), ("num_features", num_features),
+                            ("num_outputs", num_outputs), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"data.{name}={value} must be a positive integer")
+        if noise < 0:
+            raise ValueError(f"data.noise={noise} must be >= 0")
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        generator = torch.Generator().manual_seed(seed)
+        w1 = torch.randn(num_features, 4 * num_features, generator=generator) / math.sqrt(num_features)
+        w2 = torch.randn(4 * num_features, num_outputs, generator=generator) / math.sqrt(4 * num_features)
+
+        def make(n: int) -> TensorPairDataset:
+            x = torch.randn(n, num_features, generator=generator)
+            y = torch.tanh(x @ w1) @ w2 + noise * torch.randn(n, num_outputs, generator=generator)
+            return TensorPairDataset(x, y)
+
+        self.train_dataset = make(num_samples)
+        self.val_dataset = make(val_samples)
+
+
 class TrainSampler(DistributedSampler):
     """DistributedSampler that drops the tail and can start mid-epoch.
 

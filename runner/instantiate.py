@@ -61,8 +61,36 @@ def build_data(cfg: DictConfig) -> Any:
     return instantiate(cfg.data)
 
 
-def build_loss(cfg: DictConfig) -> Any:
-    return instantiate(cfg.loss)
+def build_task(cfg: DictConfig) -> Any:
+    return instantiate(cfg.task)
+
+
+def metric_specs(cfg: DictConfig) -> dict[str, tuple[DictConfig, tuple[str, ...]]]:
+    """`metrics` as {name: (spec without `_stages_`, stages)}; a list takes names from the classes."""
+    from runner.metrics import default_name
+
+    node = cfg.get("metrics")
+    if node is None:
+        return {}
+    items = node.items() if OmegaConf.is_dict(node) else ((default_name(str(m.get("_target_"))), m) for m in node)
+    specs = {}
+    for name, spec in items:
+        spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+        if not isinstance(spec, dict):
+            raise ConfigError([f"metrics.{name}={spec} must be a metric's settings with a _target_"])
+        stages = spec.pop("_stages_", ["val"])
+        stages = [stages] if isinstance(stages, str) else list(stages)
+        if name in specs:
+            raise ConfigError([f"metrics: two metrics are named {name!r}; give them names (a dict, name -> metric)"])
+        specs[str(name)] = (OmegaConf.create(spec), tuple(stages))
+    return specs
+
+
+def build_metrics(cfg: DictConfig, strategy: Any) -> Any:
+    from runner.metrics import MetricSet
+
+    return MetricSet({name: (instantiate(spec), stages) for name, (spec, stages) in metric_specs(cfg).items()},
+                     strategy)
 
 
 def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
@@ -197,14 +225,58 @@ def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
     yield from _check_arguments("optimizer", cfg.optimizer, leading=1)
     yield from _check_arguments("scheduler", cfg.scheduler, leading=1)
     try:
-        build_loss(cfg)
+        build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
-        yield f"loss ({cfg.loss.get('_target_')}) does not accept its settings: {_one_line(error)}"
+        yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {_one_line(error)}"
+    yield from _check_top_k(cfg)
+    yield from _check_metrics(cfg)
     with tempfile.TemporaryDirectory() as scratch:  # a logger may create its folder when built
         try:
             build_logger(cfg, Path(scratch), enabled=True)
         except Exception as error:  # noqa: BLE001
             yield f"logger ({cfg.logger.get('_target_')}) does not accept its settings: {_one_line(error)}"
+
+
+def _check_top_k(cfg: DictConfig) -> Iterator[str]:
+    """top_k beyond the data's classes is known before any batch when the data names its class count."""
+    top_k, classes = cfg.task.get("top_k"), cfg.data.get("num_classes") if OmegaConf.is_dict(cfg.data) else None
+    if OmegaConf.is_list(top_k) and _is_int(classes) and any(_is_int(k) and k > classes for k in top_k):
+        yield f"task.top_k={list(top_k)} asks for more than data.num_classes={classes} classes"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_metrics(cfg: DictConfig) -> Iterator[str]:
+    from runner.metrics import STAGES, is_metric
+
+    node = cfg.get("metrics")
+    if node is not None and not (OmegaConf.is_dict(node) or OmegaConf.is_list(node)):
+        yield f"metrics={node} must map names to metrics, e.g. +metrics.f1._target_=<a metric class>"
+        return
+    try:
+        specs = metric_specs(cfg)
+    except ConfigError as error:
+        yield from error.problems
+        return
+    for name, (spec, stages) in specs.items():
+        if "/" in name or not name:
+            yield f"metrics.{name}: a metric's name must not be empty or contain '/' (it is logged as val/<name>)"
+        if not set(stages) <= set(STAGES) or not stages:
+            yield f"metrics.{name}._stages_={list(stages)} is not allowed: use a list of {', '.join(STAGES)}"
+        if "_target_" not in spec:
+            yield f"metrics.{name} has no _target_: name a metric class, e.g. runner.metrics.Accuracy"
+            continue
+        target = get_method(spec._target_)
+        if not is_metric(target):
+            yield (f"metrics.{name}._target_={spec._target_} is not a metric: a metric has update(preds, target), "
+                   "compute() and reset() (e.g. torchmetrics.classification.MulticlassF1Score, runner.metrics.F1Score)")
+            continue
+        try:  # built, not bound: torchmetrics takes **kwargs and checks them itself
+            instantiate(spec)
+        except Exception as error:  # noqa: BLE001
+            yield f"metrics.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
 
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:

@@ -26,8 +26,10 @@ def is_user_error(error: BaseException) -> bool:
     from runner.config import ConfigError
     from runner.launch import JobStopped, WorkerFailed
     from runner.loop import NonFiniteLossError
+    from runner.tasks import BatchError
 
-    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException)
+    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
+             BatchError)
     return isinstance(error, known)
 
 

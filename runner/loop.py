@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -11,18 +12,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from runner.config import ConfigError
-from runner.task import CORRECT, COUNT, HAS_CORRECT, LOSS_SUM
+from runner.metrics import MetricSet
+from runner.tasks import StepWeights
 
 log = logging.getLogger("runner")
 
-# Order of the values summed over processes at a log step.
 PROGRESS_LOG_S = 10.0  # without a terminal, progress goes to the log this often (log_every_n_steps=1 stays cheap)
-STOP = HAS_CORRECT + 1  # after the task's columns: a stop request, summed over processes
 
 
 class NonFiniteLossError(RuntimeError):
@@ -75,6 +75,7 @@ class _PendingLog:
     elapsed: float  # seconds of training the sums cover
     lr: float
     skipped: int
+    extra: dict  # the `metrics` config's train values, computed (a collective) when the log step started
 
 
 @dataclass
@@ -123,16 +124,19 @@ class Loop:
 
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
                  val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], bool],
-                 hparams: dict) -> None:
-        self.strategy, self.task, self.wrapped = strategy, task, wrapped
+                 hparams: dict, metrics: Optional[MetricSet] = None) -> None:
+        self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
         self.precision = strategy.precision
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
         self.cfg, self.run_dir, self.stop_requested, self.hparams = trainer_cfg, run_dir, stop_requested, hparams
         self.schedule = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
-        device = strategy.root_device
-        self._sums = torch.zeros(5, dtype=torch.float64, device=device)  # since the last log step
+        self.metrics = metrics or MetricSet({}, strategy)
+        self.weights = StepWeights(task.task, strategy, train.batch_size, self.schedule.accumulate)
+        self._train_preds = self.metrics.wants("train")
+        self._sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step, then a stop flag
+        self._names: tuple[str, ...] = ()
         self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
         self._show_progress = strategy.is_global_zero and _interactive()
         self._progress_open = False
@@ -154,42 +158,56 @@ class Loop:
             self.train.sampler.set_epoch(p.epoch)
             self.train.sampler.start_batch = p.batch
             self.task.train()
-            for inputs, targets in self.train:
-                if p.batch >= s.batches_per_epoch:
+            batches = iter(self.train)
+            while p.batch < s.batches_per_epoch and not stopped and p.step < s.max_steps:
+                window = list(itertools.islice(batches, s.accumulate))  # the micro-batches of one optimizer step
+                if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
+                    p.batch = s.batches_per_epoch
                     break
-                p.batch += 1
-                if self._micro_step(inputs, targets, sync=p.batch % s.accumulate == 0):
-                    stopped = self._after_step()
-                    if stopped or p.step >= s.max_steps:
-                        break
+                p.batch += s.accumulate
+                self._train_step(window)
+                stopped = self._after_step()
             if p.batch >= s.batches_per_epoch:
                 p.epoch, p.batch = p.epoch + 1, 0
         return self._finish(stopped)
 
-    def _micro_step(self, inputs: Any, targets: Any, sync: bool) -> bool:
-        """Forward and backward one micro-batch; on the last of an accumulation window, step the optimizer."""
-        inputs, targets = self.strategy.batch_to_device((inputs, targets))
-        with self.strategy.backward_sync(self.wrapped, enabled=sync):
-            out = self.strategy.training_step(self.wrapped, inputs, targets)
-            loss = self.task.batch_loss(out)
-            self.precision.backward(loss / self.schedule.accumulate)
-        if not self.guard.check(loss):
-            self._accumulate(out)
-        if not sync:
-            return False
+    def _train_step(self, window: list) -> None:
+        """Forward and backward each micro-batch of one optimizer step (gradients synced on the last), then step.
+
+        Each micro-batch's loss is a sum over its units; `weights` scales it so that the step follows the
+        mean over every unit of the global batch, whatever its split over processes and micro-batches.
+        """
+        scale, stats, last = self.weights.start(window), [], len(window) - 1
+        for index, batch in enumerate(window):
+            with self.strategy.backward_sync(self.wrapped, enabled=index == last):
+                out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch), self._train_preds)
+                loss = self.task.batch_loss(out)
+                self.precision.backward(loss * scale())
+            if not self.guard.check(loss):
+                self._accumulate(out)
+                self.metrics.update("train", out)
+            stats.append(out["stats"])
         if not self.guard.skip_step():
             self.precision.unscale_gradients(self.optimizer)
+            self.weights.finish(self.task.parameters(), stats)
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
             self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.progress.step += 1
-        return True
+
+    def _buffer(self) -> torch.Tensor:
+        """The sums since the last log step: the task's statistics, then a stop flag (made at the first use,
+        once the task knows its columns)."""
+        if self._sums is None:
+            self._names = self.task.task.stat_names
+            self._sums = torch.zeros(len(self._names) + 1, dtype=torch.float64, device=self.strategy.root_device)
+        return self._sums
 
     def _accumulate(self, out: dict) -> None:
         """Add a micro-batch's sums on the device: no host sync until the next log step."""
-        self._sums[:STOP] += out["stats"].sum(dim=0)
+        self._buffer()[:-1] += out["stats"].sum(dim=0)
 
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
@@ -214,14 +232,15 @@ class Loop:
 
         The reduction runs while the next step trains; `_collect_log` logs it at the step it was started.
         """
-        self._sums[STOP] = float(self.stop_requested())
+        sums = self._buffer()
+        sums[-1] = float(self.stop_requested())
         now = time.perf_counter()
         self._pending = _PendingLog(
-            reduced=self.strategy.start_all_reduce(self._sums, reduce_op="sum"), step=self.progress.step,
+            reduced=self.strategy.start_all_reduce(sums, reduce_op="sum"), step=self.progress.step,
             epoch=self.progress.epoch, elapsed=now - self._tick, lr=self.optimizer.param_groups[0]["lr"],
-            skipped=self.guard.skipped)
+            skipped=self.guard.skipped, extra=self.metrics.compute("train"))
         self._tick = now
-        self._sums.zero_()
+        sums.zero_()
         self._last_log_step = self.progress.step
 
     def _collect_log(self) -> bool:
@@ -229,22 +248,23 @@ class Loop:
         pending, self._pending = self._pending, None
         if pending is None:
             return False
-        sums = pending.reduced().tolist()
-        if not math.isfinite(sums[LOSS_SUM]):
+        reduced = pending.reduced().tolist()
+        sums, stop = dict(zip(self._names, reduced)), reduced[-1] > 0
+        if not math.isfinite(sums["loss"]):
             raise NonFiniteLossError(self._nonfinite_message(pending.step))
-        if not sums[COUNT]:  # nothing trained since the last log (all skipped): keep the last values
-            return sums[STOP] > 0
-        metrics = {"train/loss": sums[LOSS_SUM] / max(sums[COUNT], 1), "lr": pending.lr,
-                   "throughput/samples_per_s": sums[COUNT] / max(pending.elapsed, 1e-9)}
-        if sums[HAS_CORRECT]:
-            metrics["train/acc"] = sums[CORRECT] / max(sums[COUNT], 1)
+        if not sums["samples"]:  # nothing trained since the last log (all skipped): keep the last values
+            return stop
+        seconds = max(pending.elapsed, 1e-9)
+        metrics = {f"train/{name}": value for name, value in self.task.task.compute(sums).items()}
+        metrics.update({"lr": pending.lr, "throughput/samples_per_s": sums["samples"] / seconds,
+                        f"throughput/{self.task.task.unit}s_per_s": sums["units"] / seconds, **pending.extra})
         if self.guard.enabled:
             metrics["train/skipped_steps"] = float(pending.skipped)
         self.progress.metrics.update(metrics)
         self.logger.log_metrics(metrics, pending.step)
         if self.strategy.is_global_zero:
             self._print_progress(metrics, pending.step, pending.epoch)
-        return sums[STOP] > 0
+        return stop
 
     def _log_train(self) -> bool:
         """Reduce and log the sums since the last log now. Returns True when some process asked to stop."""
@@ -255,27 +275,27 @@ class Loop:
     def _validate(self) -> None:
         if self.val is None or self._last_val_step == self.progress.step:
             return
-        start = time.perf_counter()
+        start, task, preds = time.perf_counter(), self.task.task, self.metrics.wants("val")
         self.task.eval()
-        sums = torch.zeros(4, dtype=torch.float64, device=self.strategy.root_device)
+        names = task.stat_names
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.strategy.root_device)
         with torch.no_grad():
-            for index, (inputs, targets) in enumerate(self.val):
+            for index, batch in enumerate(self.val):
                 if index >= self.schedule.val_batches:
                     break
-                inputs, targets = self.strategy.batch_to_device((inputs, targets))
-                out = self.strategy.validation_step(self.wrapped, inputs, targets)
+                out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
                 sums += out["stats"].sum(dim=0)
+                self.metrics.update("val", out)
         self.task.train()
-        loss, count, correct, has_correct = self.strategy.all_reduce(sums, reduce_op="sum").tolist()[:STOP]
+        totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
+        extra = self.metrics.compute("val")  # every process, even one without a validation sample
         self._last_val_step = self.progress.step
-        if count:
-            metrics = {"val/loss": loss / count}
-            if has_correct:
-                metrics["val/acc"] = correct / count
+        if totals["samples"]:
+            metrics = {**{f"val/{name}": value for name, value in task.compute(totals).items()}, **extra}
             self.progress.metrics.update(metrics)
             self.logger.log_metrics(metrics, self.progress.step)
             self._end_progress()
-            log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), count,
+            log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), totals["samples"],
                      time.perf_counter() - start)
         self._tick += time.perf_counter() - start  # validation time is not training throughput
 

@@ -27,7 +27,7 @@ from runner import instantiate as build
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.loop import Loop
-from runner.task import TaskModule
+from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -143,7 +143,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     precision = strategy.precision
     with precision.module_init_context():
         model = build.build_model(cfg)
-    task = TaskModule(precision.convert_module(model), build.build_loss(cfg), precision)
+    task = TaskModule(precision.convert_module(model), build.build_task(cfg), precision)
     strategy.module_to_device(task)
     compile_arguments = build.compile_arguments(cfg)
     if compile_arguments is not None:
@@ -156,7 +156,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer),
                 train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed),
-                logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)))
+                logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)),
+                build.build_metrics(cfg, strategy))
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     if ckpt_path:
         log.info("resuming from %s", ckpt_path)

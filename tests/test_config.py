@@ -14,8 +14,10 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from runner.config import ConfigError, unique_dir
 from runner.data import train_loader
-from runner.instantiate import (build_data, build_logger, build_loss, build_model, build_optimizer,
-                                build_scheduler, build_strategy, validate)
+from runner.instantiate import (build_data, build_logger, build_model, build_optimizer, build_scheduler,
+                                build_strategy, build_task, validate)
+from runner.precision import Precision
+from runner.tasks import TaskModule
 from runner.strategies import Strategy
 from conftest import CONF_DIR, compose_config
 
@@ -35,7 +37,14 @@ NEEDS_CUDA = {
 }
 
 # What an option needs beside it to run: float16 parameters need an Adam epsilon that float16 can hold.
-COMPANIONS = {("precision", "16-true"): ["++optimizer.eps=1e-4"]}
+# A task needs a model and data of its kind.
+COMPANIONS = {
+    ("precision", "16-true"): ["++optimizer.eps=1e-4"],
+    ("task", "regression"): ["experiment=regression"],
+    ("data", "synthetic_regression"): ["experiment=regression"],
+    ("task", "language_model"): ["experiment=charlm"],
+    ("task", "model"): ["experiment=hf_style"],
+}
 
 # Options that read who started the processes from the environment: one process, rank 0.
 ENVIRONMENTS = {
@@ -49,7 +58,7 @@ ENVIRONMENTS = {
 def test_the_option_list_covers_every_group() -> None:
     groups = {group for group, _ in all_options()}
     assert {"strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "optimizer",
-            "scheduler", "logger", "loss", "trainer", "experiment"} <= groups
+            "scheduler", "logger", "task", "trainer", "experiment"} <= groups
     assert {"auto", "single", "dp", "ddp"} <= {o for g, o in all_options() if g == "strategy"}
 
 
@@ -81,18 +90,18 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
         data = build_data(cfg)
         optimizer = build_optimizer(cfg, model.parameters())
         scheduler = build_scheduler(cfg, optimizer)
-        loss_fn = build_loss(cfg)
+        task = build_task(cfg)
         logger = build_logger(cfg, tmp_path, enabled=True)
-        built = {"strategy": strategy, "model": model, "data": data, "loss": loss_fn, "logger": logger,
+        built = {"strategy": strategy, "model": model, "data": data, "task": task, "logger": logger,
                  "optimizer": optimizer, "scheduler": scheduler}
         if group in built and not cfg[group].get("_partial_", False):
             _assert_built_as_targeted(built[group], cfg[group])
         assert isinstance(optimizer, torch.optim.Optimizer)
         assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-        # The pieces fit together: one batch of the data through the model and the loss.
-        inputs, targets = next(iter(train_loader(data, None, seed=0)))
-        loss = loss_fn(model(inputs), targets)
-        assert loss.ndim == 0 and torch.isfinite(loss)
+        # The pieces fit together: one batch of the data through the model and its task.
+        out = TaskModule(model, task, Precision())(next(iter(train_loader(data, None, seed=0))))
+        assert out["loss"].ndim == 0 and torch.isfinite(out["loss"])
+        assert out["stats"].shape == (1, len(task.stat_names))
         logger.finalize()
     finally:
         strategy.teardown()

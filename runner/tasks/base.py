@@ -1,0 +1,213 @@
+"""What every task shares: splitting a batch, calling the model, the module strategies wrap, and step weights.
+
+A task turns one batch into the loss to back-propagate (a *sum* over the batch's units: samples, or tokens)
+and a row of statistics the loop sums: samples, units, loss sum, then the task's own metric sums. Sums, not
+means, so that any split of a global batch over processes and micro-batches weighs every unit equally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from runner.tree import apply_to_tensors
+
+# The first columns of every task's statistics row.
+SAMPLES, UNITS, LOSS = 0, 1, 2
+BASE_STATS = ("samples", "units", "loss")
+
+
+class BatchError(ValueError):
+    """A batch or a model output that does not fit the task; the message names the task key to change."""
+
+
+def describe(value: Any) -> str:
+    """A short description of a batch or an output for error messages: types and shapes, not values."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(describe(v) for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"{type(value).__name__} of {len(value)} ({inner})"
+    return type(value).__name__
+
+
+def as_mapping(batch: Any) -> Optional[Mapping]:
+    """A dict, a dataclass or a named tuple as a mapping of its fields; None for other batches."""
+    if isinstance(batch, Mapping):
+        return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    if isinstance(batch, tuple) and hasattr(batch, "_asdict"):
+        return batch._asdict()
+    return None
+
+
+def split_batch(batch: Any, target_key: str, task: str) -> tuple[Any, Any]:
+    """(inputs, targets) of an `(inputs, targets)` pair, or of a dict-like batch holding `target_key`."""
+    fields = as_mapping(batch)
+    if fields is not None and target_key in fields:
+        return {k: v for k, v in fields.items() if k != target_key}, fields[target_key]
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise BatchError(
+        f"task={task} takes batches of (inputs, targets) or dicts with the targets under "
+        f"task.target_key={target_key!r}; the data gave {describe(batch)}")
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """`model(**inputs)` for dict inputs (keyword arguments, as HuggingFace models take them), else `model(inputs)`."""
+    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+
+
+def field(output: Any, name: str) -> Any:
+    """`output[name]` of a dict-like output or `output.name` of an object; None when it has neither."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def logits_of(output: Any, task: str) -> torch.Tensor:
+    """The prediction tensor of a model output: the tensor itself, or its `logits` (dicts and HF-style outputs)."""
+    found = output if isinstance(output, torch.Tensor) else field(output, "logits")
+    if not isinstance(found, torch.Tensor):
+        raise BatchError(f"task={task} needs the model to return a tensor (or a dict or object with 'logits'); "
+                         f"it returned {describe(output)} (a model computing its own loss runs under task=model)")
+    return found
+
+
+def leading_size(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor."""
+    sizes: list[int] = []
+    apply_to_tensors(batch, lambda t: sizes.append(t.shape[0] if t.dim() else 1))
+    if not sizes:
+        raise BatchError(f"a batch holds no tensor: {describe(batch)}")
+    return sizes[0]
+
+
+def stats_row(*columns: Union[torch.Tensor, float]) -> torch.Tensor:
+    """One (1, K) float32 row from tensors (detached) and plain numbers, on the tensors' device.
+
+    Consecutive numbers become one small tensor: one host-to-device copy, not one per number.
+    """
+    device = next(c for c in columns if isinstance(c, torch.Tensor)).device
+    parts: list[torch.Tensor] = []
+    numbers: list[float] = []
+    for column in columns:
+        if isinstance(column, torch.Tensor):
+            if numbers:
+                parts.append(torch.tensor(numbers, dtype=torch.float32, device=device))
+                numbers = []
+            parts.append(column.detach().float().reshape(1))
+        else:
+            numbers.append(float(column))
+    if numbers:
+        parts.append(torch.tensor(numbers, dtype=torch.float32, device=device))
+    return torch.cat(parts).reshape(1, -1)
+
+
+class Task:
+    """The interface the loop and `TaskModule` use. Subclasses: classification, regression, language_model, model.
+
+    `fixed_units`: every training micro-batch holds `data.batch_size` units (samples), so a step's unit count
+    is known without communication. Otherwise `units(batch)` counts them before the forward pass (tokens),
+    or returns None when only the model knows (task=model with a `count`).
+    """
+
+    name: str = "task"
+    unit: str = "sample"
+    fixed_units: bool = True
+    extra_stats: tuple[str, ...] = ()
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return BASE_STATS + self.extra_stats
+
+    def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def units(self, batch: Any) -> Optional[int]:
+        raise NotImplementedError
+
+    def compute(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric values (without the `train/`/`val/` prefix) from the statistics summed over processes."""
+        raise NotImplementedError
+
+
+class TaskModule(nn.Module):
+    """The module every strategy wraps: the user's model with its task.
+
+    forward(batch) -> {"loss": summed over the batch's units, "stats": (1, K) row[, "preds", "target"]}.
+    Precision's autocast is entered inside forward, because autocast is thread-local and DataParallel runs
+    its replicas in threads.
+    """
+
+    def __init__(self, model: nn.Module, task: Task, precision: Any) -> None:
+        super().__init__()
+        self.model, self.task, self.precision = model, task, precision
+
+    def forward(self, batch: Any, with_preds: bool = False) -> dict[str, Any]:
+        return self.task.forward(self.model, batch, self.precision, with_preds)
+
+    @staticmethod
+    def batch_loss(out: dict[str, Any]) -> torch.Tensor:
+        """The summed loss to back-propagate, also when DataParallel gathered one sum per device."""
+        loss = out["loss"]
+        return loss if loss.dim() == 0 else loss.sum()
+
+
+class StepWeights:
+    """What each micro-batch's summed loss is multiplied by, so that an optimizer step follows the gradient
+    of the mean over every unit of its global batch, however it is split over processes and micro-batches.
+
+    DDP averages gradients over the W processes, so with N units in the step the factor is W / N:
+    - samples (`fixed_units`): N = data.batch_size x W x accumulate, known without communication;
+    - tokens counted from the batch: N is one all-reduce, started before the first forward pass and
+      waited for at the first backward pass, as a device tensor (no host sync);
+    - units only the model reports (`units` None): back-propagate with the sample factor, then rescale
+      the gradients by (what that assumed) / N once the step's counts are reduced.
+    """
+
+    def __init__(self, task: Task, strategy: Any, batch_size: int, accumulate: int) -> None:
+        self.task, self.strategy = task, strategy
+        self.batch_size, self.accumulate = batch_size, accumulate
+        self.sample_scale = 1.0 / (batch_size * accumulate)
+        self._rescale = False
+
+    def start(self, window: list) -> Callable[[], Any]:
+        counts = [self.task.units(batch) for batch in window]
+        self._rescale = None in counts
+        if self._rescale:
+            return lambda: self.sample_scale
+        local = sum(counts)
+        if self.task.fixed_units:
+            if local != self.batch_size * self.accumulate:
+                raise BatchError(f"a training step got {local} samples in {len(window)} micro-batch(es), not "
+                                 f"data.batch_size={self.batch_size} each; a collate_fn must keep every sample")
+            return lambda: self.sample_scale
+        device = self.strategy.root_device
+        wait = self.strategy.start_all_reduce(torch.tensor(float(local), device=device), reduce_op="sum")
+        world = float(self.strategy.world_size)
+        scale: list = []
+
+        def get() -> torch.Tensor:
+            if not scale:
+                scale.append(world / wait().clamp_min(1.0))
+            return scale[0]
+        return get
+
+    def finish(self, parameters: Any, stats: list[torch.Tensor]) -> None:
+        """After the backward passes (and unscaling): rescale the gradients where the units came from the model."""
+        if not self._rescale:
+            return
+        local = torch.cat(stats).double()[:, UNITS].sum()
+        total = float(self.strategy.all_reduce(local, reduce_op="sum"))
+        factor = self.strategy.world_size / (self.sample_scale * max(total, 1.0))
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
