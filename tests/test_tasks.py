@@ -171,6 +171,35 @@ def test_model_task_weights_its_scalars_by_count() -> None:
     assert 0 <= accuracy_sum / count <= 1
 
 
+@dataclasses.dataclass
+class Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    margin: float
+
+
+class ObjectOutput(torch.nn.Module):
+    """Takes a dataclass batch whole and returns an object with attributes, not a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, batch: Pair) -> Output:
+        logits = self.linear(batch.features)
+        return Output(F.cross_entropy(logits, batch.labels), logits, margin=2.0)
+
+
+def test_model_task_takes_dataclass_batches_whole_and_object_outputs() -> None:
+    task = ModelTask()
+    batch = Pair(torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1]))
+    out = TaskModule(ObjectOutput(), task, Precision())(batch, with_preds=True)
+    assert task.stat_names == ("samples", "units", "loss", "margin")
+    values = task.compute(dict(zip(task.stat_names, out["stats"][0].tolist())))
+    assert values["margin"] == pytest.approx(2.0) and out["preds"].shape == (5, 2)
+    assert torch.equal(out["target"], batch.labels)
+
+
 # -- each task through runner.fit, on 1 process and on 2 gloo processes ---------------------------------
 def test_default_classification_logs_what_it_logged_before(cfg: DictConfig, tmp_path: Path) -> None:
     metrics = runner.fit(cfg, run_dir=tmp_path)

@@ -191,7 +191,8 @@ class StepWeights:
                                  f"data.batch_size={self.batch_size} each; a collate_fn must keep every sample")
             return lambda: self.sample_scale
         device = self.strategy.root_device
-        wait = self.strategy.start_all_reduce(torch.tensor(float(local), device=device), reduce_op="sum")
+        # torch.full fills on the device: no host-to-device copy that could wait for the GPU.
+        wait = self.strategy.start_all_reduce(torch.full((), float(local), device=device), reduce_op="sum")
         world = float(self.strategy.world_size)
         scale: list = []
 
