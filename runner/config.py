@@ -23,11 +23,14 @@ class ConfigError(Exception):
         return f"invalid config ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}):\n{lines}"
 
 
+DEFAULT_EPOCHS = 5  # trainer.max_epochs when neither it nor trainer.max_steps is set
+
+
 @dataclass
 class TrainerConfig:
     devices: Any = "auto"  # int, -1 or 'auto' (all devices), or a list of device indices
     num_nodes: int = 1
-    max_epochs: int = 5  # -1: no limit (then max_steps must be set)
+    max_epochs: Optional[int] = None  # None: DEFAULT_EPOCHS, or no limit when max_steps is set; -1: no limit
     max_steps: int = -1  # -1: no limit
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
@@ -117,7 +120,7 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         if not (_is_int(t[key]) and t[key] >= 1):
             yield f"trainer.{key}={t[key]} must be a positive integer"
     for key in ("max_epochs", "max_steps"):
-        if not (_is_int(t[key]) and (t[key] >= 1 or t[key] == -1)):
+        if not (_is_int(t[key]) and (t[key] >= 1 or t[key] == -1)) and not (key == "max_epochs" and t[key] is None):
             yield f"trainer.{key}={t[key]} must be a positive integer, or -1 for no limit"
     if t.max_epochs == -1 and t.max_steps == -1 and not t.fast_dev_run:
         yield "trainer.max_epochs=-1 and trainer.max_steps=-1 would train forever: set one of them"
@@ -178,19 +181,9 @@ def _check_data(cfg: DictConfig) -> Iterator[str]:
         yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
 
 
-def _check_scheduler(cfg: DictConfig) -> Iterator[str]:
-    # scheduler=cosine takes T_max from trainer.max_steps, whose default -1 would leave the rate constant.
-    scheduler = cfg.get("scheduler")
-    t_max = scheduler.get("T_max") if OmegaConf.is_dict(scheduler) else None
-    if t_max is not None and not (_is_int(t_max) and t_max >= 1):
-        yield (f"scheduler.T_max={t_max} must be a positive number of optimizer steps; it follows "
-               "trainer.max_steps by default, so set trainer.max_steps (or scheduler.T_max)")
-
-
 def check_static(cfg: DictConfig) -> list[str]:
     """Problems that need no hardware look-up: types, ranges, importable targets."""
     problems = list(_check_trainer(cfg.trainer))
     problems += _check_data(cfg)
-    problems += _check_scheduler(cfg)
     problems += _check_targets(cfg)
     return problems

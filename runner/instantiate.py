@@ -101,9 +101,12 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
                            f"{_one_line(error)}"]) from error
 
 
-def build_scheduler(cfg: DictConfig, optimizer: Any) -> Any:
+def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: Optional[int] = None) -> Any:
+    """The scheduler for `optimizer`; one that takes `total_steps` and leaves it unset gets the run's count."""
+    takes_total = "total_steps" in inspect.signature(get_method(cfg.scheduler._target_)).parameters
+    extra = {"total_steps": total_steps} if takes_total and "total_steps" not in cfg.scheduler else {}
     try:
-        return instantiate(cfg.scheduler)(optimizer)
+        return instantiate(cfg.scheduler)(optimizer, **extra)
     except (TypeError, ValueError) as error:
         raise ConfigError([f"scheduler ({cfg.scheduler._target_}) does not accept its settings: "
                            f"{_one_line(error)}"]) from error
@@ -188,7 +191,7 @@ def _one_line(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-def _check_arguments(group: str, node: Any, leading: int) -> Iterator[str]:
+def _check_arguments(group: str, node: Any, leading: int, given: tuple[str, ...] = ()) -> Iterator[str]:
     """The keys of a `_partial_` group bind to its target's signature (after `leading` positional arguments).
 
     Binding, not building: a first optimizer costs ~0.9 s of torch imports, which the parent of a
@@ -197,6 +200,8 @@ def _check_arguments(group: str, node: Any, leading: int) -> Iterator[str]:
     target = get_method(node._target_)
     keys = {k: None for k in node if not str(k).startswith("_")}
     try:
+        parameters = inspect.signature(target).parameters
+        keys.update({name: None for name in given if name in parameters})  # what the runner passes itself
         inspect.signature(target).bind(*([None] * leading), **keys)
     except TypeError as error:
         yield f"{group} ({node._target_}) does not accept its settings: {error}"
@@ -223,7 +228,7 @@ def _check_compile(cfg: DictConfig) -> Iterator[str]:
 
 def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
     yield from _check_arguments("optimizer", cfg.optimizer, leading=1)
-    yield from _check_arguments("scheduler", cfg.scheduler, leading=1)
+    yield from _check_arguments("scheduler", cfg.scheduler, leading=1, given=("total_steps",))
     try:
         build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runner.config import ConfigError
+from runner.config import DEFAULT_EPOCHS, ConfigError
 from runner.metrics import MetricSet
 from runner.tasks import StepWeights
 
@@ -91,6 +91,12 @@ class Schedule:
     val_batches: float
     ckpt_every: float
     save: bool
+    steps_decide: bool  # trainer.max_steps set, trainer.max_epochs not: the steps alone end the run
+
+    @property
+    def total_steps(self) -> int:
+        """The optimizer steps the run takes from step 0 (what schedulers decay over)."""
+        return int(min(self.max_steps, self.max_epochs * (self.batches_per_epoch // self.accumulate)))
 
 
 def make_schedule(t: Any, train_batches: int, val_batches: int) -> Schedule:
@@ -102,16 +108,19 @@ def make_schedule(t: Any, train_batches: int, val_batches: int) -> Schedule:
     steps_per_epoch = max(batches // accumulate, 1)
     interval = t.val_check_interval
     val_every = interval if isinstance(interval, int) else max(1, int(interval * steps_per_epoch))
+    steps_decide = t.max_epochs is None and t.max_steps != -1
+    epochs = DEFAULT_EPOCHS if t.max_epochs is None and not steps_decide else t.max_epochs
     return Schedule(
         batches_per_epoch=batches,
         accumulate=accumulate,
         max_steps=dev_run or (math.inf if t.max_steps == -1 else t.max_steps),
-        max_epochs=1 if dev_run else (math.inf if t.max_epochs == -1 else t.max_epochs),
+        max_epochs=1 if dev_run else (math.inf if epochs in (-1, None) else epochs),
         log_every=1 if dev_run else t.log_every_n_steps,
         val_every=val_every,
         val_batches=dev_run or _limit(t.limit_val_batches, val_batches),
         ckpt_every=math.inf if dev_run or t.ckpt_every_n_steps is None else t.ckpt_every_n_steps,
         save=not dev_run,
+        steps_decide=steps_decide and not dev_run,
     )
 
 
@@ -367,6 +376,9 @@ class Loop:
                  "per epoch; starting at step %d (epoch %d, batch %d)", self.global_batch, self.train.batch_size,
                  self.strategy.world_size, s.accumulate, s.batches_per_epoch // s.accumulate, p.step, p.epoch,
                  p.batch)
+        if s.steps_decide:
+            log.info("trainer.max_steps=%d decides the length (trainer.max_epochs is not set): %d epoch(s) of "
+                     "data", self.cfg.max_steps, math.ceil(s.max_steps / max(s.batches_per_epoch // s.accumulate, 1)))
         if p.step >= s.max_steps or p.epoch >= s.max_epochs:
             log.warning("nothing to train: the run is already at step %d, epoch %d (trainer.max_steps=%s, "
                         "trainer.max_epochs=%s); raise them to continue", p.step, p.epoch,

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner import instantiate as build
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
-from runner.loop import Loop
+from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
@@ -154,8 +154,10 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     data = build.build_data(cfg)
     sampler_kwargs = strategy.distributed_sampler_kwargs
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero)
-    loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer),
-                train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed),
+    train, val = train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed)
+    # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
+    total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
+    loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)),
                 build.build_metrics(cfg, strategy))
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path

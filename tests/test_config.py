@@ -74,7 +74,7 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in ENVIRONMENTS.get(option if group == "cluster" else "", {}).items():
         monkeypatch.setenv(key, value)
-    # max_steps: scheduler=cosine decays over it, and it must be set for that option to validate.
+    # max_steps: the steps the schedulers decay over (the worker counts them; here they are given).
     cfg = compose_config([f"{group}={option}", "trainer.max_steps=10", *COMPANIONS.get((group, option), [])])
     if group != "experiment":  # experiments are `# @package _global_` presets: they have no node of their own
         assert cfg[group] is not None
@@ -89,7 +89,7 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
         model = build_model(cfg)
         data = build_data(cfg)
         optimizer = build_optimizer(cfg, model.parameters())
-        scheduler = build_scheduler(cfg, optimizer)
+        scheduler = build_scheduler(cfg, optimizer, total_steps=10)
         task = build_task(cfg)
         logger = build_logger(cfg, tmp_path, enabled=True)
         built = {"strategy": strategy, "model": model, "data": data, "task": task, "logger": logger,
@@ -133,7 +133,7 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
     (["model._target_=nope.Model"], "model._target_=nope.Model cannot be imported"),
     (["optimizer._target_=torch.optim.Nope"], "optimizer._target_=torch.optim.Nope cannot be imported"),
-    (["scheduler=cosine", "trainer.max_steps=-1"], "scheduler.T_max=-1 must be a positive number"),
+    (["scheduler=warmup_cosine", "+scheduler.warmup=5"], "scheduler (runner.schedulers.warmup_cosine) does not accept"),
     (["accelerator=cpu", "precision=16-mixed"], "precision=16-mixed needs accelerator=cuda"),
     (["precision=16-true"], "precision=16-true with optimizer eps=1e-08: float16 rounds it to 0"),
     (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),

@@ -123,10 +123,12 @@ def test_fast_dev_run_trains_a_few_batches_and_saves_nothing(make_cfg: MakeCfg, 
     (-1, 1, 16, 1),   # one epoch of 256 / 16 batches
     (100, 1, 16, 1),  # the epoch limit comes first
     (20, 5, 20, 1),   # the step limit comes first, in the second epoch
+    (100, None, 100, 6),  # max_epochs left unset: the steps decide, past the 5 epochs it would default to
+    (-1, None, 80, 5),    # neither set: 5 epochs
 ])
 def test_max_steps_and_max_epochs_whichever_first(make_cfg: MakeCfg, tmp_path: Path, max_steps: int,
                                                    max_epochs: int, step: int, epoch: int) -> None:
-    cfg = make_cfg(f"trainer.max_steps={max_steps}", f"trainer.max_epochs={max_epochs}",
+    cfg = make_cfg(f"trainer.max_steps={max_steps}", f"trainer.max_epochs={'null' if max_epochs is None else max_epochs}",
                    "trainer.log_every_n_steps=50")
     metrics = runner.fit(cfg, run_dir=tmp_path)
     assert (metrics["step"], metrics["epoch"]) == (step, epoch)

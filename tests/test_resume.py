@@ -31,7 +31,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
     # 256 / 16: 16 steps per epoch, so the stop falls mid-epoch and the resumed epoch must skip 10 batches.
     ("data.num_samples=256", "optimizer=sgd", "optimizer.momentum=0.9"),
     # Optimizer state (Adam moments) and a scheduler whose rate changes every step, mid-epoch.
-    ("data.num_samples=256", "optimizer=adamw", "scheduler=cosine", "scheduler.T_max=20"),
+    ("data.num_samples=256", "optimizer=adamw", "scheduler=cosine", "+scheduler.total_steps=20"),
 ], ids=["epoch-boundary", "mid-epoch", "adamw-cosine"])
 def test_resume_equals_straight_run(make_cfg: MakeCfg, tmp_path: Path, overrides: tuple[str, ...]) -> None:
     runner.fit(make_cfg(*overrides, "trainer.max_steps=20"), run_dir=tmp_path / "straight")

@@ -1,0 +1,53 @@
+"""Learning-rate schedules over the run's optimizer steps, which the runner counts (no arithmetic in configs).
+
+Each takes `total_steps`: the optimizer steps the run will take after processes, accumulation, epochs and
+`trainer.max_steps` are accounted for. The runner passes it when the config leaves it out, so a schedule
+ends where the run ends on any number of processes. Each is a LambdaLR stepped once per optimizer step;
+its state (the step count) is checkpointed with the run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def _check(total_steps: int, warmup_steps: int, floor: float, floor_name: str) -> None:
+    if not (isinstance(total_steps, int) and total_steps >= 1):
+        raise ValueError(f"scheduler.total_steps={total_steps} must be a positive number of optimizer steps")
+    if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
+        raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be 0 or a positive number of optimizer steps")
+    if not (isinstance(floor, (int, float)) and 0.0 <= floor <= 1.0):
+        raise ValueError(f"scheduler.{floor_name}={floor} must be a fraction of the initial rate in [0, 1]")
+
+
+def _warmup_then(total_steps: int, warmup_steps: int, decay: Callable[[float], float]) -> Callable[[int], float]:
+    """Linear warm-up to the full rate over `warmup_steps`, then `decay(progress)` with progress 0 -> 1 at the end."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(total_steps - warmup_steps, 1)
+        return decay(min(1.0, (step - warmup_steps) / span))
+    return factor
+
+
+def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
+                  min_lr_ratio: float = 0.0) -> LambdaLR:
+    """Warm up linearly, then follow a half cosine down to `min_lr_ratio` x the initial rate at the last step."""
+    _check(total_steps, warmup_steps, min_lr_ratio, "min_lr_ratio")
+    return LambdaLR(optimizer, _warmup_then(
+        total_steps, warmup_steps, lambda p: min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))))
+
+
+def cosine(optimizer: Optimizer, total_steps: int, min_lr_ratio: float = 0.0) -> LambdaLR:
+    """A half cosine from the initial rate down to `min_lr_ratio` x it at the last step."""
+    return warmup_cosine(optimizer, total_steps, 0, min_lr_ratio)
+
+
+def linear(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, end_lr_ratio: float = 0.0) -> LambdaLR:
+    """Warm up linearly, then decay linearly to `end_lr_ratio` x the initial rate at the last step."""
+    _check(total_steps, warmup_steps, end_lr_ratio, "end_lr_ratio")
+    return LambdaLR(optimizer, _warmup_then(total_steps, warmup_steps, lambda p: 1 - (1 - end_lr_ratio) * p))
