@@ -45,6 +45,7 @@ class TrainerConfig:
     fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches
     max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
+    keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
     compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
 
 
@@ -63,8 +64,10 @@ class RunnerConfig:
     optimizer: Any = None
     scheduler: Any = None
     task: Any = None
+    callbacks: Any = None  # name -> callback spec (the `callbacks` group's options)
     metrics: Any = None  # name -> metric spec (or a list of specs)
     logger: Any = None
+    stage: str = "fit"  # fit, validate, test or predict
     objective: str = "val/loss"  # the metric a sweep optimises
     direction: str = "minimize"
 
@@ -128,6 +131,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield f"trainer.max_restarts={t.max_restarts} must be 0 (no restarts) or a positive integer"
     if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
         yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be positive, or null for no clipping"
+    if t.keep_last_k is not None and t.keep_last_k < 1:
+        yield f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every step-N.ckpt"
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:
         yield f"trainer.ckpt_every_n_steps={t.ckpt_every_n_steps} must be a positive integer, or null"
     for key in ("val_check_interval", "limit_train_batches", "limit_val_batches"):
@@ -181,9 +186,19 @@ def _check_data(cfg: DictConfig) -> Iterator[str]:
         yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
 
 
+def _check_stage(cfg: DictConfig) -> Iterator[str]:
+    stage = cfg.get("stage", "fit")
+    if stage not in ("fit", "validate", "test", "predict"):
+        yield f"stage={stage} is not allowed: use fit, validate, test or predict"
+    elif stage != "fit" and not cfg.trainer.ckpt_path:
+        yield (f"stage={stage} needs the weights to use: trainer.ckpt_path=<file>, last or best "
+               "(the newest of this run folder, else of a run of the same config)")
+
+
 def check_static(cfg: DictConfig) -> list[str]:
     """Problems that need no hardware look-up: types, ranges, importable targets."""
     problems = list(_check_trainer(cfg.trainer))
+    problems += _check_stage(cfg)
     problems += _check_data(cfg)
     problems += _check_targets(cfg)
     return problems

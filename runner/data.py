@@ -35,13 +35,30 @@ class TensorPairDataset(Dataset):
         return Batch((self.inputs[index], self.targets[index]))
 
 
+class InputsDataset(Dataset):
+    """The inputs of a data set without its targets: what `stage=predict` predicts."""
+
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.inputs[index]
+
+
 class SyntheticClassification:
-    """A learnable task made in memory: Gaussian inputs labelled by a fixed random two-layer teacher."""
+    """A learnable task made in memory: Gaussian inputs labelled by a fixed random two-layer teacher.
+
+    `test_samples` > 0 adds a test set (tested after fit, and by stage=test) and its inputs as the predict set.
+    """
 
     def __init__(
         self,
         num_samples: int = 4096,
         val_samples: int = 1000,
+        test_samples: int = 0,
         num_features: int = 32,
         num_classes: int = 4,
         batch_size: int = 64,
@@ -67,6 +84,9 @@ class SyntheticClassification:
 
         self.train_dataset = make(num_samples)
         self.val_dataset = make(val_samples)
+        if test_samples > 0:  # drawn after the others, so adding a test set leaves them as they were
+            self.test_dataset = make(test_samples)
+            self.predict_dataset = InputsDataset(self.test_dataset.inputs)
 
 
 class SyntheticRegression:
@@ -161,8 +181,9 @@ def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> DataLo
     return _loader(data, data.train_dataset, sampler, drop_last=True, seed=seed)
 
 
-def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> Optional[DataLoader]:
-    dataset = getattr(data, "val_dataset", None)
+def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str = "val") -> Optional[DataLoader]:
+    """The loader of `<split>_dataset` (val, test or predict): every sample once over the processes, in order."""
+    dataset = getattr(data, f"{split}_dataset", None)
     if dataset is None or len(dataset) == 0:
         return None
     kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}

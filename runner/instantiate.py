@@ -86,6 +86,28 @@ def metric_specs(cfg: DictConfig) -> dict[str, tuple[DictConfig, tuple[str, ...]
     return specs
 
 
+def build_callbacks(cfg: DictConfig) -> Any:
+    """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
+    from runner.callbacks import Callbacks
+
+    node = cfg.get("callbacks")
+    if node is None:
+        return Callbacks()
+    if not OmegaConf.is_dict(node):
+        raise ConfigError([f"callbacks={node} must select options of the callbacks group, e.g. "
+                           "callbacks=[early_stopping,model_checkpoint], or callbacks=none"])
+    built = {}
+    for name, spec in node.items():
+        if not OmegaConf.is_dict(spec) or "_target_" not in spec:
+            raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
+                               "group, or +callbacks.<name>._target_=<class>)"])
+        defaults = {"monitor": cfg.get("objective", "val/loss"),
+                    "mode": "max" if cfg.get("direction") == "maximize" else "min"}
+        fill = {key: value for key, value in defaults.items() if key in spec and spec[key] is None}
+        built[str(name)] = instantiate(spec, **fill)
+    return Callbacks(built)
+
+
 def build_metrics(cfg: DictConfig, strategy: Any) -> Any:
     from runner.metrics import MetricSet
 
@@ -235,11 +257,29 @@ def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
         yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {_one_line(error)}"
     yield from _check_top_k(cfg)
     yield from _check_metrics(cfg)
+    yield from _check_callbacks(cfg)
     with tempfile.TemporaryDirectory() as scratch:  # a logger may create its folder when built
         try:
             build_logger(cfg, Path(scratch), enabled=True)
         except Exception as error:  # noqa: BLE001
             yield f"logger ({cfg.logger.get('_target_')}) does not accept its settings: {_one_line(error)}"
+
+
+def _check_callbacks(cfg: DictConfig) -> Iterator[str]:
+    from runner.callbacks import HOOKS
+
+    try:
+        callbacks = build_callbacks(cfg)
+    except ConfigError as error:
+        yield from error.problems
+        return
+    except Exception as error:  # noqa: BLE001 - a refused setting is the user's to fix
+        yield f"callbacks: {_one_line(error)}"
+        return
+    for name, callback in callbacks.by_name.items():
+        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            yield (f"callbacks.{name} ({type(callback).__name__}) has none of the hooks {', '.join(HOOKS)}: "
+                   "it would never be called")
 
 
 def _check_top_k(cfg: DictConfig) -> Iterator[str]:
@@ -299,7 +339,7 @@ def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[st
         return
     per_batch = cfg.data.get("batch_size", 1) * processes
     samples = checkpoint.get("samples_in_epoch", 0)
-    if samples % per_batch:
+    if samples % per_batch and cfg.get("stage", "fit") == "fit":  # other stages take the weights only
         yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of batches "
                f"of data.batch_size x processes = {per_batch}; resume with its global batch "
                f"({checkpoint.get('global_batch_size')} = data.batch_size x processes x accumulate_grad_batches)")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import make_unique_dir
+from runner.config import ConfigError, make_unique_dir
 from runner.instantiate import build_strategy, validate
 from runner.launch import ElasticLauncher
 
@@ -26,36 +27,61 @@ def is_user_error(error: BaseException) -> bool:
     from runner.config import ConfigError
     from runner.launch import JobStopped, WorkerFailed
     from runner.loop import NonFiniteLossError
+    from runner.callbacks import CallbackError
     from runner.tasks import BatchError
 
     known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
-             BatchError)
+             BatchError, CallbackError)
     return isinstance(error, known)
 
 
+# What a checkpoint found by `last`/`best` outside the run folder must share with this run's config.
+SAME_RUN_KEYS = ("model", "data", "task", "optimizer", "scheduler")
+
+
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """`trainer.ckpt_path`: a file, or 'last': this run folder's last.ckpt, else the newest last.ckpt under
-    outputs/ of a run with the same model config."""
+    """`trainer.ckpt_path`: a file; or `last`/`best`: this run folder's last.ckpt/best.ckpt, else the newest one of
+    a run of the same config (model, data, task, optimizer, scheduler) under the output root."""
     value = cfg.trainer.ckpt_path
     if value in (None, ""):
         return None
-    if value != "last":
+    if value not in ("last", "best"):
         return os.path.abspath(str(value))
-    own = run_dir / "checkpoints" / "last.ckpt"
+    name = f"{value}.ckpt"
+    own = run_dir / "checkpoints" / name
     if own.exists():
+        log.info("trainer.ckpt_path=%s: %s (this run folder's)", value, own)
         return str(own.resolve())
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    found = [p for p in Path("outputs").glob("**/checkpoints/last.ckpt") if _model_of(p.parent.parent) == model]
+    root = output_root(run_dir)
+    mine = _signature(OmegaConf.to_container(cfg, resolve=True))
+    found = [p for pattern in (f"*/checkpoints/{name}", f"*/*/checkpoints/{name}") for p in root.glob(pattern)
+             if _signature(_resolved_of(p.parent.parent)) == mine]
     if found:
-        return str(max(found, key=lambda p: p.stat().st_mtime).resolve())
-    log.warning("trainer.ckpt_path=last: no last.ckpt in %s, nor under outputs/ from a run of this model; "
-                "training from the start", run_dir)
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        log.warning("trainer.ckpt_path=%s: using %s, the newest %s of a run of this config under %s", value, newest,
+                    name, root)
+        return str(newest.resolve())
+    if value == "best":
+        raise ConfigError([f"trainer.ckpt_path=best: no checkpoints/best.ckpt in {run_dir}, nor in a run of this "
+                           f"config under {root} (best.ckpt is written by callbacks=model_checkpoint)"])
+    log.warning("trainer.ckpt_path=last: no last.ckpt in %s, nor under %s from a run of this config; "
+                "training from the start", run_dir, root)
     return None
 
 
-def _model_of(run_dir: Path) -> Any:
+def output_root(run_dir: Path) -> Path:
+    """Where runs are kept: the run folder's parent, above the date folder of Hydra's default layout."""
+    parent = Path(run_dir).resolve().parent
+    return parent.parent if re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name) else parent
+
+
+def _signature(config: Any) -> Any:
+    return None if not isinstance(config, dict) else {key: config.get(key) for key in SAME_RUN_KEYS}
+
+
+def _resolved_of(run_dir: Path) -> Any:
     try:
-        return OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "resolved.yaml").model)
+        return OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "resolved.yaml"))
     except (OSError, ValueError, AttributeError):
         return None
 

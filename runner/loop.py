@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.callbacks import Callbacks
 from runner.config import DEFAULT_EPOCHS, ConfigError
 from runner.metrics import MetricSet
 from runner.tasks import StepWeights
@@ -133,7 +134,7 @@ class Loop:
 
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
                  val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], bool],
-                 hparams: dict, metrics: Optional[MetricSet] = None) -> None:
+                 hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None) -> None:
         self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
         self.precision = strategy.precision
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
@@ -142,6 +143,9 @@ class Loop:
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
         self.metrics = metrics or MetricSet({}, strategy)
+        self.callbacks = callbacks or Callbacks()
+        self._signalled = False  # some process got a stop signal: stop now, skip the final validation
+        self._stop_reason: Optional[str] = None  # a callback asked to end the run (early stopping)
         self.weights = StepWeights(task.task, strategy, train.batch_size, self.schedule.accumulate)
         self._train_preds = self.metrics.wants("train")
         self._sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step, then a stop flag
@@ -157,10 +161,18 @@ class Loop:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
+        try:
+            return self._run()
+        except BaseException as error:
+            self.callbacks.call("on_exception", self, error)
+            raise
+
+    def _run(self) -> dict:
         s, p = self.schedule, self.progress
         if s.batches_per_epoch < 1:
             raise ConfigError([self._too_few_batches()])
         self._announce()
+        self.callbacks.call("on_fit_start", self)
         self._tick = time.perf_counter()
         stopped = False
         while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
@@ -178,7 +190,11 @@ class Loop:
                 stopped = self._after_step()
             if p.batch >= s.batches_per_epoch:
                 p.epoch, p.batch = p.epoch + 1, 0
-        return self._finish(stopped)
+        return self._finish()
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step's checkpoint (every process must ask at the same step)."""
+        self._stop_reason = reason
 
     def _train_step(self, window: list) -> None:
         """Forward and backward each micro-batch of one optimizer step (gradients synced on the last), then step.
@@ -221,16 +237,17 @@ class Loop:
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
         s, step = self.schedule, self.progress.step
-        stop = self._collect_log()  # the last log step's sums, reduced while this step trained
+        self._signalled |= self._collect_log()  # the last log step's sums, reduced while this step trained
         periodic = step % s.ckpt_every == 0
         if step % s.log_every == 0 or periodic:
             self._start_log()
         validate = step % s.val_every == 0
-        if validate or periodic or stop:
+        if validate or periodic or self._signalled:
             # A checkpoint never holds weights a NaN went into, and a step's train line comes before its val line.
-            stop = self._collect_log() or stop
+            self._signalled |= self._collect_log()
         if validate:
-            self._validate()
+            self._validate()  # callbacks may ask to stop here
+        stop = self._signalled or self._stop_reason is not None
         if s.save and (periodic or stop):
             self._save(periodic=periodic)
         return stop
@@ -273,6 +290,7 @@ class Loop:
         self.logger.log_metrics(metrics, pending.step)
         if self.strategy.is_global_zero:
             self._print_progress(metrics, pending.step, pending.epoch)
+        self.callbacks.call("on_train_log", self, metrics, pending.step)
         return stop
 
     def _log_train(self) -> bool:
@@ -284,29 +302,58 @@ class Loop:
     def _validate(self) -> None:
         if self.val is None or self._last_val_step == self.progress.step:
             return
+        start = time.perf_counter()
+        metrics = self.evaluate("val", self.val, self.schedule.val_batches)
+        self._last_val_step = self.progress.step
+        if metrics:
+            self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+        self._tick += time.perf_counter() - start  # validation time is not training throughput
+
+    def evaluate(self, prefix: str, loader: Any, limit: float = math.inf) -> dict:
+        """The task's metrics and the `metrics` config's over `loader` (every sample once over the processes),
+        logged as `<prefix>/<name>` at the current step; every process calls it."""
         start, task, preds = time.perf_counter(), self.task.task, self.metrics.wants("val")
         self.task.eval()
         names = task.stat_names
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.strategy.root_device)
         with torch.no_grad():
-            for index, batch in enumerate(self.val):
-                if index >= self.schedule.val_batches:
+            for index, batch in enumerate(loader):
+                if index >= limit:
                     break
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
                 sums += out["stats"].sum(dim=0)
                 self.metrics.update("val", out)
         self.task.train()
         totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
-        extra = self.metrics.compute("val")  # every process, even one without a validation sample
-        self._last_val_step = self.progress.step
-        if totals["samples"]:
-            metrics = {**{f"val/{name}": value for name, value in task.compute(totals).items()}, **extra}
-            self.progress.metrics.update(metrics)
-            self.logger.log_metrics(metrics, self.progress.step)
-            self._end_progress()
-            log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), totals["samples"],
-                     time.perf_counter() - start)
-        self._tick += time.perf_counter() - start  # validation time is not training throughput
+        extra = self.metrics.compute("val", prefix)  # every process, even one without a sample
+        if not totals["samples"]:
+            return {}
+        metrics = {**{f"{prefix}/{name}": value for name, value in task.compute(totals).items()}, **extra}
+        self.progress.metrics.update(metrics)
+        self.logger.log_metrics(metrics, self.progress.step)
+        self._end_progress()
+        log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, _fmt(metrics), totals["samples"],
+                 time.perf_counter() - start)
+        return metrics
+
+    def predict(self, loader: Any) -> list:
+        """The model's predictions for every sample of `loader`, in the data set's order (on rank 0; [] elsewhere).
+
+        Rank r of W predicts samples r, r+W, ...; rank 0 gathers every rank's share and interleaves them.
+        """
+        mine: list[torch.Tensor] = []
+        self.task.eval()
+        module = self.strategy.unwrap(self.wrapped)
+        with torch.no_grad():
+            for batch in loader:
+                mine += [p.cpu() for p in module.predict(self.strategy.batch_to_device(batch)).unbind(0)]
+        self.task.train()
+        shares = [self.strategy.broadcast(mine if rank == self.strategy.global_rank else None, src=rank)
+                  for rank in range(self.strategy.world_size)]
+        if not self.strategy.is_global_zero:
+            return []
+        world = len(shares)
+        return [shares[index % world][index // world] for index in range(sum(len(share) for share in shares))]
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -316,12 +363,14 @@ class Loop:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "precision": self.precision.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
             "step": p.step,
             "epoch": p.epoch,
             "samples_in_epoch": p.batch * self.train.batch_size * self.strategy.world_size,
             "global_batch_size": self.global_batch,
             "metrics": dict(p.metrics),
             "rng": _rng_state(),
+            "callbacks": self.callbacks.state_dict(),
         }
 
     def load_state_dict(self, checkpoint: dict) -> None:
@@ -334,33 +383,66 @@ class Loop:
                 f"with the same global batch ({checkpoint.get('global_batch_size')})"
             ])
         self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
+        configured = [dict(group, params=None) for group in self.optimizer.param_groups]  # this run's settings
+        base_lrs = list(getattr(self.scheduler, "base_lrs", [g["lr"] for g in configured]))
+        _check_same_optimizer(self.optimizer, checkpoint)
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
+        _apply_settings(self.optimizer, self.scheduler, configured, base_lrs)
         self.precision.load_state_dict(checkpoint.get("precision", {}))
         self.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
                                  dict(checkpoint.get("metrics", {})))
         _set_rng_state(checkpoint["rng"])
+        self.callbacks.load_state_dict(checkpoint.get("callbacks", {}))
         self.logger.resume_at(checkpoint["step"] + 1)
         self._last_val_step = -1
+
+    def load_weights(self, checkpoint: dict) -> None:
+        """The model's weights and step from a checkpoint, for evaluating or predicting (no training state)."""
+        self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
+        self.progress.step, self.progress.epoch = checkpoint["step"], checkpoint["epoch"]
+
+    def write_result(self, result: dict) -> None:
+        """metrics.json (rank 0)."""
+        if self.strategy.is_global_zero:
+            _write_json(self.run_dir / "metrics.json", result)
+
+    def save_checkpoint(self, path: Path, state: Optional[dict] = None) -> None:
+        """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
+        state = self.state_dict() if state is None else state
+        self.callbacks.call("on_save_checkpoint", self, state)
+        self.strategy.save_checkpoint(state, path)
+        self.callbacks.call("on_checkpoint_saved", self, path)
+
+    def remove_checkpoint(self, path: Path) -> None:
+        """Remove one of this run's checkpoint files (rank 0, after the checkpoint IO's pending writes)."""
+        self.strategy.remove_checkpoint(path)
 
     def _save(self, periodic: bool) -> None:
         folder = self.run_dir / "checkpoints"
         state = self.state_dict()
         if periodic:
-            self.strategy.save_checkpoint(state, folder / f"step-{self.progress.step:06d}.ckpt")
-        self.strategy.save_checkpoint(state, folder / "last.ckpt")
+            self.save_checkpoint(folder / f"step-{self.progress.step:06d}.ckpt", state)
+            keep = self.cfg.get("keep_last_k")
+            for old in sorted(folder.glob("step-*.ckpt"))[:-keep] if keep else ():
+                self.remove_checkpoint(old)  # the run's own periodic files, oldest first
+        self.save_checkpoint(folder / "last.ckpt", state)
 
     # -- start and end ------------------------------------------------------------------------------
-    def _finish(self, stopped: bool) -> dict:
+    def _finish(self) -> dict:
         p = self.progress
-        stopped = self._collect_log() or stopped
-        if not stopped:
+        self._signalled |= self._collect_log()
+        if not self._signalled:  # a signal stops at once; early stopping has validated this step already
             if self._last_log_step != p.step:
                 self._log_train()
             self._validate()
         if self.schedule.save:
             self._save(periodic=False)
-        result = {**p.metrics, "step": p.step, "epoch": p.epoch, "stopped_early": stopped}
+        result = {**p.metrics, "step": p.step, "epoch": p.epoch, "stopped_early": self._signalled}
+        if self._stop_reason is not None:
+            result["stopped_by"] = self._stop_reason
+            log.info("stopped at step %d by %s", p.step, self._stop_reason)
+        self.callbacks.call("on_fit_end", self, result)
         if self.strategy.is_global_zero:
             final = {k: v for k, v in result.items() if isinstance(v, float)}
             self.logger.log_hyperparams(self.hparams, final)
@@ -422,6 +504,40 @@ class Loop:
             sys.stderr.write("\n")
             self._progress_open = False
         self._last_progress_log = -math.inf
+
+
+def _check_same_optimizer(optimizer: Any, checkpoint: dict) -> None:
+    """A checkpoint of another optimizer would load and fail at its first step (a missing hyperparameter)."""
+    saved_groups = checkpoint["optimizer"].get("param_groups") or [{}]
+    saved, mine = set(saved_groups[0]) - {"params", "initial_lr"}, set(optimizer.param_groups[0]) - {"params",
+                                                                                                 "initial_lr"}
+    if saved != mine or len(saved_groups) != len(optimizer.param_groups):
+        name = checkpoint.get("optimizer_class", "another optimizer")
+        raise ConfigError([f"trainer.ckpt_path: the checkpoint holds the state of {name} (settings "
+                           f"{', '.join(sorted(saved))}), not of this run's {type(optimizer).__name__} "
+                           f"({', '.join(sorted(mine))}); resume with the optimizer it was trained with"])
+
+
+def _apply_settings(optimizer: Any, scheduler: Any, configured: list[dict], base_lrs: list[float]) -> None:
+    """A resumed run follows this run's optimizer settings: a new lr rescales the schedule, other keys are set."""
+    changes = []
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, configured)):
+        saved_base = scheduler.base_lrs[index] if hasattr(scheduler, "base_lrs") else group["lr"]
+        if base_lrs[index] != saved_base:
+            changes.append(f"lr {saved_base:g} -> {base_lrs[index]:g}")
+            group["lr"] *= base_lrs[index] / saved_base if saved_base else 1.0
+            group["initial_lr"] = base_lrs[index]
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs[index] = base_lrs[index]
+        for key, value in settings.items():
+            if key not in ("params", "lr", "initial_lr") and group.get(key) != value:
+                changes.append(f"{key} {group.get(key)} -> {value}")
+                group[key] = value
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if changes:
+        log.warning("resumed with this run's optimizer settings, not the checkpoint's: %s", "; ".join(
+            dict.fromkeys(changes)))
 
 
 def _interactive() -> bool:

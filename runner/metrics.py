@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import nn
@@ -156,11 +156,11 @@ class MetricSet:
         for metric in self.by_stage[stage].values():
             metric.update(out["preds"], out["target"])
 
-    def compute(self, stage: str) -> dict[str, float]:
-        """`<stage>/<name>` values over every process, then a fresh state for the next round."""
+    def compute(self, stage: str, prefix: Optional[str] = None) -> dict[str, float]:
+        """`<prefix>/<name>` values (prefix: the stage) over every process, then a fresh state for the next round."""
         values: dict[str, float] = {}
         for name, metric in self.by_stage[stage].items():
-            values.update(_scalar_values(f"{stage}/{name}", metric.compute()))
+            values.update(_scalar_values(f"{prefix or stage}/{name}", metric.compute()))
             metric.reset()
         return values
 

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner import instantiate as build
+from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.loop import Loop, make_schedule
@@ -159,13 +160,17 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)),
-                build.build_metrics(cfg, strategy))
+                build.build_metrics(cfg, strategy), build.build_callbacks(cfg))
+    stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
-    if ckpt_path:
-        log.info("resuming from %s", ckpt_path)
-        loop.load_state_dict(strategy.load_checkpoint(ckpt_path))
     try:
-        return loop.run()
+        if ckpt_path and stage == "fit":
+            log.info("resuming from %s", ckpt_path)
+            loop.load_state_dict(strategy.load_checkpoint(ckpt_path))
+        elif ckpt_path:
+            log.info("stage=%s with the weights of %s", stage, ckpt_path)
+            loop.load_weights(strategy.load_checkpoint(ckpt_path))
+        return stages.RUN[stage](loop, data)
     finally:
         logger.finalize()
 

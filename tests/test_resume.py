@@ -95,3 +95,29 @@ def test_ckpt_path_last_skips_runs_of_another_model(make_cfg: MakeCfg, tmp_path:
     result = runner.fit(make_cfg("trainer.max_steps=2", "trainer.ckpt_path=last"), run_dir=tmp_path / "outputs" / "b" / "new")
     assert result["step"] == 2  # trained from the start: the only last.ckpt belongs to another model
     assert "resuming" not in (tmp_path / "outputs" / "b" / "new" / "runner.log").read_text()
+
+
+def test_resume_with_a_new_lr_follows_it_and_says_so(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    runner.fit(make_cfg("optimizer=sgd", "optimizer.lr=0.1", "scheduler=linear", "+scheduler.total_steps=20",
+                        "trainer.max_steps=10"), run_dir=run)
+    assert load_checkpoint(run)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05)  # half-way down
+    metrics = runner.fit(make_cfg("optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.5", "scheduler=linear",
+                                  "+scheduler.total_steps=20", "trainer.max_steps=12", "trainer.ckpt_path=last"),
+                         run_dir=run)
+    # The schedule carries on from step 10 of 20, scaled to the new rate: 0.01 x (1 - 12/20).
+    assert metrics["lr"] == pytest.approx(0.01 * 8 / 20)
+    group = load_checkpoint(run)["optimizer"]["param_groups"][0]
+    assert group["momentum"] == 0.5 and group["initial_lr"] == pytest.approx(0.01)
+    log = (run / "runner.log").read_text()
+    assert "resumed with this run's optimizer settings, not the checkpoint's: lr 0.1 -> 0.01; momentum 0.9 -> 0.5" in log
+
+
+def test_resuming_with_another_optimizer_is_refused_with_a_message(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    runner.fit(make_cfg("optimizer=sgd", "trainer.max_steps=4"), run_dir=run)
+    before = (run / "checkpoints" / "last.ckpt").read_bytes()
+    with pytest.raises(ConfigError, match=r"the checkpoint holds the state of SGD \(settings .*momentum.*\), not of "
+                                          r"this run's AdamW .*resume with the optimizer it was trained with"):
+        runner.fit(make_cfg("optimizer=adamw", "trainer.max_steps=8", "trainer.ckpt_path=last"), run_dir=run)
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == before  # nothing lost

@@ -128,6 +128,11 @@ class Strategy:
             self.checkpoint_io.save_checkpoint(checkpoint, path)
         self.barrier("save_checkpoint")
 
+    def remove_checkpoint(self, path: Any) -> None:
+        """Rank 0 removes the file through the checkpoint IO (after its pending writes)."""
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(path)
+
     def load_checkpoint(self, path: Any) -> dict:
         return self.checkpoint_io.load_checkpoint(path, map_location="cpu")
 

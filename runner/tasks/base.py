@@ -154,6 +154,20 @@ class TaskModule(nn.Module):
     def forward(self, batch: Any, with_preds: bool = False) -> dict[str, Any]:
         return self.task.forward(self.model, batch, self.precision, with_preds)
 
+    def predict(self, batch: Any) -> torch.Tensor:
+        """The model's predictions (logits) for a batch of inputs; any targets in it are left out."""
+        fields = as_mapping(batch)
+        target_key = getattr(self.task, "target_key", "labels")
+        if fields is not None and target_key in fields:
+            batch = {k: v for k, v in fields.items() if k != target_key}
+        with self.precision.forward_context():
+            output = call_model(self.model, self.precision.convert_input(batch))
+        preds = output if isinstance(output, torch.Tensor) else field(output, getattr(self.task, "preds_key", "logits"))
+        if not isinstance(preds, torch.Tensor):
+            raise BatchError(f"stage=predict: the model returned {describe(output)}; predictions need a tensor "
+                             "(or a dict or object with 'logits')")
+        return self.precision.convert_output(preds).detach()
+
     @staticmethod
     def batch_loss(out: dict[str, Any]) -> torch.Tensor:
         """The summed loss to back-propagate, also when DataParallel gathered one sum per device."""

@@ -1,0 +1,68 @@
+"""What a job does with its loop: `stage=fit` (then test, when the data has a test set), validate, test, predict."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from runner.checkpoint_io import TorchCheckpointIO
+from runner.config import ConfigError
+from runner.data import val_loader
+
+log = logging.getLogger("runner")
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
+    loader = val_loader(data, loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, split)
+    if loader is None:
+        raise ConfigError([f"stage={stage} needs a {split}_dataset, but the data ({type(data).__name__}) has none "
+                           f"or an empty one; give the data object a {split}_dataset attribute"])
+    return loader
+
+
+def fit(loop: Any, data: Any) -> dict:
+    """Train; then, when the data has a test set, test the best checkpoint (else the last weights)."""
+    result = loop.run()
+    test = val_loader(data, loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, "test")
+    if test is None or result.get("stopped_early"):
+        return result
+    best = result.get("best_model_path")
+    if best:
+        loop.load_weights(loop.strategy.load_checkpoint(best))
+    log.info("testing %s", best or "the last weights")
+    result.update(loop.evaluate("test", test), tested=best or "last")
+    loop.write_result(result)
+    return result
+
+
+def evaluate(split: str) -> Callable[[Any, Any], dict]:
+    def run(loop: Any, data: Any) -> dict:
+        metrics = loop.evaluate(split, _loader(loop, data, split, "validate" if split == "val" else split))
+        result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
+        loop.write_result(result)
+        return result
+    return run
+
+
+def predict(loop: Any, data: Any) -> dict:
+    """`predictions.pt` in the run folder: {"predictions": one entry per sample, in the data set's order}
+    (a tensor when every sample's prediction has one shape, else a list), loadable with weights_only=True."""
+    predictions = loop.predict(_loader(loop, data, "predict", "predict"))
+    path = Path(loop.run_dir) / "predictions.pt"
+    if loop.strategy.is_global_zero:
+        same = len({tuple(p.shape) for p in predictions}) == 1
+        stacked = torch.stack(predictions) if same else predictions
+        TorchCheckpointIO().save_checkpoint({"predictions": stacked}, path)  # atomic, and written when it returns
+        log.info("wrote %d predictions to %s", len(predictions), path)
+    loop.strategy.barrier("predict")
+    result = {"step": loop.progress.step, "predictions": str(path), "num_predictions": len(predictions)}
+    loop.write_result(result)
+    return result
+
+
+RUN: dict[str, Callable[[Any, Any], dict]] = {
+    "fit": fit, "validate": evaluate("val"), "test": evaluate("test"), "predict": predict}
