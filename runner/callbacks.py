@@ -116,19 +116,16 @@ class EarlyStopping(_Monitor):
 
 class ModelCheckpoint(_Monitor):
     """Keep the `save_top_k` best checkpoints by `monitor` (`checkpoints/best-step-N.ckpt`, -1: all) and
-    `checkpoints/best.ckpt`, the best of all; only this run's own files are ever removed. `every_n_steps`
-    also saves `checkpoints/step-N.ckpt` (with `trainer.keep_last_k` pruning them). metrics.json gets
-    `best_model_score`, `best_step` and `best_model_path`."""
+    `checkpoints/best.ckpt`, the best of all; only this run's own files are ever removed. It looks at each
+    validation (`trainer.val_check_interval` sets how often); periodic saves are `trainer.ckpt_every_n_steps`,
+    pruned by `trainer.keep_last_k`. metrics.json gets `best_model_score`, `best_step` and `best_model_path`."""
 
-    def __init__(self, monitor: str = "val/loss", mode: Literal["min", "max"] = "min", save_top_k: int = 1,
-                 every_n_steps: Optional[int] = None) -> None:
+    def __init__(self, monitor: str = "val/loss", mode: Literal["min", "max"] = "min", save_top_k: int = 1) -> None:
         super().__init__(monitor, mode, "model_checkpoint")
         if not (isinstance(save_top_k, int) and save_top_k >= -1):
             raise ValueError(f"callbacks.model_checkpoint.save_top_k={save_top_k} is not allowed: use -1 (keep all), "
                              "0 (only best.ckpt) or a positive number of checkpoints")
-        if every_n_steps is not None and not (isinstance(every_n_steps, int) and every_n_steps >= 1):
-            raise ValueError(f"callbacks.model_checkpoint.every_n_steps={every_n_steps} must be a positive integer")
-        self.save_top_k, self.every_n_steps = save_top_k, every_n_steps
+        self.save_top_k = save_top_k
         self.kept: list[list] = []  # [score, step, file name], best first
         self.best: Optional[list] = None  # [score, step]
 

@@ -68,9 +68,12 @@ def test_early_stopping_stops_every_rank_at_one_step_and_keeps_the_best(tmp_path
         assert f"stopped at step {metrics['step']} by early_stopping" in (tmp_path / log).read_text(), log
 
 
-def test_top_k_pruning_survives_a_resume_and_leaves_other_files(make_cfg: MakeCfg, tmp_path: Path) -> None:
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-process", "2-processes"])
+def test_top_k_pruning_survives_a_resume_and_leaves_other_files(make_cfg: MakeCfg, tmp_path: Path,
+                                                               devices: int) -> None:
     common = ("callbacks=model_checkpoint", "callbacks.model_checkpoint.save_top_k=2",
-              "trainer.val_check_interval=1", "optimizer.lr=0.05")
+              "trainer.val_check_interval=1", "optimizer.lr=0.05", f"data.batch_size={16 // devices}",
+              *(("strategy=ddp", "trainer.devices=2") if devices == 2 else ()))
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     (folder / "best-step-999999.ckpt").write_text("another run's file")  # never ours to delete
