@@ -32,6 +32,9 @@ def fit(loop: Any, data: Any) -> dict:
         return result
     best = result.get("best_model_path")
     if best:
+        # With checkpoint_io=async rank 0 may still be writing best.ckpt; every rank reads it after that.
+        getattr(loop.strategy.checkpoint_io, "wait", lambda: None)()
+        loop.strategy.barrier("best checkpoint written")
         loop.load_weights(loop.strategy.load_checkpoint(best))
     log.info("testing %s", best or "the last weights")
     result.update(loop.evaluate("test", test), tested=best or "last")

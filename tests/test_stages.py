@@ -99,3 +99,14 @@ def test_stage_test_without_a_test_set_says_what_is_missing(make_cfg: MakeCfg, t
     cfg = make_cfg("stage=test", f"trainer.ckpt_path={tmp_path / 'trained' / 'checkpoints' / 'last.ckpt'}")
     with pytest.raises(ConfigError, match=r"stage=test needs a test_dataset, but the data \(SyntheticClassification\)"):
         runner.fit(cfg, run_dir=tmp_path / "test")
+
+
+def test_fit_then_test_on_two_processes_with_async_checkpoints(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    overrides = (*TEST, "callbacks=model_checkpoint", "trainer.max_steps=8", "trainer.val_check_interval=2",
+                 "optimizer.lr=0.05", "checkpoint_io=async")
+    two = runner.fit(make_cfg(*overrides, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
+    one = runner.fit(make_cfg(*overrides, "data.batch_size=16"), run_dir=tmp_path / "one")
+    assert two["best_step"] == one["best_step"]
+    assert two["test/loss"] == pytest.approx(one["test/loss"], rel=1e-5)
+    assert two["test/loss"] == pytest.approx(direct(make_cfg(*TEST), tmp_path / "two" / "checkpoints" / "best.ckpt")[1],
+                                             rel=1e-5)
