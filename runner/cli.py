@@ -21,8 +21,8 @@ from runner.config import register_configs, register_resolvers
 register_resolvers()
 register_configs()
 
-# The config groups live at the top of the repository (conf/), beside the package.
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# The config groups ship inside the package (runner/conf/).
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from runner.config import register_configs, register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
+CONF_DIR = REPO / "runner" / "conf"
 
 # A run of a few milliseconds per step on one CPU process, small enough for dozens of runs per test file.
 TINY = (

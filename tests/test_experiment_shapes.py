@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from experiments.shapes import ShapesData, SmallCNN  # noqa: E402
+from runner.examples.shapes import ShapesData, SmallCNN  # noqa: E402
 
 
 def small(**kwargs) -> ShapesData:
@@ -146,7 +146,7 @@ def write_primary_config(root: Path) -> None:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "experiment").mkdir()
-    shutil.copy(REPO / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
+    shutil.copy(REPO / "runner" / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
 
 
 def test_preset_replaces_model_and_data_and_builds(tmp_path):
@@ -154,8 +154,8 @@ def test_preset_replaces_model_and_data_and_builds(tmp_path):
     overrides = ["experiment=shapes", "data.num_samples=64", "data.val_samples=16"]
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    assert cfg.model._target_ == "experiments.shapes.SmallCNN"
-    assert cfg.data._target_ == "experiments.shapes.ShapesData"
+    assert cfg.model._target_ == "runner.examples.shapes.SmallCNN"
+    assert cfg.data._target_ == "runner.examples.shapes.ShapesData"
     assert not {"in_features", "hidden", "depth"} & set(cfg.model)
     assert "num_features" not in cfg.data
     assert cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.lr == 0.003
