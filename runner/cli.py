@@ -16,13 +16,10 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from runner.config import register_configs, register_resolvers
+from runner.config import CONFIG_DIR, CONFIG_MODULE, register_configs, register_resolvers
 
 register_resolvers()
 register_configs()
-
-# The config groups ship inside the package (runner/conf/).
-CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
@@ -74,7 +71,7 @@ def _report(error: BaseException) -> None:
     print(f"error: {error}", file=sys.stderr)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def hydra_main(cfg: DictConfig) -> Optional[float]:
     """One Hydra job. Returns the objective (`cfg.objective`) so sweeper plugins can optimise it."""
     from hydra.core.hydra_config import HydraConfig

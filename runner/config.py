@@ -1,11 +1,13 @@
-"""Config schema, the run-folder resolver, and the checks a composed config passes before any worker starts."""
+"""Config schema, composition from Python, the run-folder resolver, and the checks a config passes before any
+worker starts."""
 
 from __future__ import annotations
 
 import importlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -69,6 +71,46 @@ class RunnerConfig:
 def register_configs() -> None:
     # Outside any group, so --help lists only the real options.
     ConfigStore.instance().store(name="runner_schema", node=RunnerConfig)
+
+
+# The config groups ship inside the package: runner/conf/, `pkg://runner.conf` on Hydra's search path.
+CONFIG_MODULE = "runner.conf"
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig:
+    """The config `python -m runner [--config-dir DIR] <overrides>` would run (see `runner.compose`).
+
+    Composed with a Hydra of its own: another app's (`@hydra.main`, `hydra.initialize()`) is put back afterwards.
+    """
+    from hydra import compose as hydra_compose
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.version import VersionBase, setbase
+
+    register_resolvers()
+    register_configs()
+    search_path = create_config_search_path(f"pkg://{CONFIG_MODULE}")
+    if config_dir is not None:
+        folder = Path(config_dir).resolve()
+        if not folder.is_dir():
+            raise ConfigError([f"config_dir={config_dir} is not a folder"])
+        # Where --config-dir goes: after the built-in groups, so it adds options and never hides one.
+        search_path.prepend("runner.compose(config_dir)", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    global_hydra, version = GlobalHydra.instance(), VersionBase.instance()
+    outer, outer_version = global_hydra.hydra, version.getbase()
+    global_hydra.clear()
+    try:
+        setbase("1.3")
+        Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
+        return hydra_compose(config_name="config", overrides=list(overrides))
+    finally:
+        global_hydra.clear()
+        version.version_base = outer_version
+        if outer is not None:
+            global_hydra.initialize(outer)
 
 
 _unique_dirs: dict[str, str] = {}

@@ -1,7 +1,6 @@
 """Tests for the shapes example experiment: data, model, learnability and its Hydra preset."""
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-REPO = Path(__file__).resolve().parents[1]
-# `experiments/` is example code run from the repository root, not an installed package.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from runner.examples.shapes import ShapesData, SmallCNN
 
-from runner.examples.shapes import ShapesData, SmallCNN  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def small(**kwargs) -> ShapesData:
