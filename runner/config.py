@@ -229,9 +229,30 @@ def _check_scheduler(cfg: DictConfig) -> Iterator[str]:
                "trainer.max_steps by default, so set trainer.max_steps (or scheduler.T_max)")
 
 
+_CHOOSE_LOGGER = "choose logger=tensorboard, logger=csv, logger=none (no logger) or several: logger=[tensorboard,csv]"
+
+
+def _check_logger(cfg: DictConfig) -> Iterator[str]:
+    node = cfg.get("logger")
+    if node is None:
+        yield f"logger is not set (logger=null and ~logger remove it): {_CHOOSE_LOGGER}"
+        return
+    if not OmegaConf.is_dict(node):
+        yield f"logger={node} must map names to loggers: {_CHOOSE_LOGGER}"
+        return
+    for name in node:
+        value = node[name]
+        if name == "_target_":
+            yield (f"logger._target_={value}: each logger sits under a name of its own, e.g. "
+                   f"+logger.mine._target_={value} (logger=[tensorboard,csv] chooses several)")
+        elif not (OmegaConf.is_dict(value) and "_target_" in value):
+            yield f"logger.{name}={value} has no _target_: name a logger class, e.g. runner.loggers.CSVLogger"
+
+
 def check_static(cfg: DictConfig) -> list[str]:
     """Problems that need no hardware look-up: types, ranges, importable targets."""
     problems = list(_check_trainer(cfg.trainer))
+    problems += _check_logger(cfg)
     problems += _check_data(cfg)
     problems += _check_scheduler(cfg)
     problems += _check_targets(cfg)

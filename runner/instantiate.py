@@ -117,11 +117,35 @@ def compile_arguments(cfg: DictConfig) -> Optional[dict]:
     return OmegaConf.to_container(setting, resolve=True) if OmegaConf.is_dict(setting) and setting else None
 
 
-def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
-    """Rank 0 gets the configured logger; the other ranks a logger that does nothing."""
-    from runner.loggers import NullLogger
+def logger_specs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """`logger` as {name: settings}: one entry per chosen option (`logger=[tensorboard,csv]`), none for `none`."""
+    node = cfg.get("logger")
+    return {str(name): node[name] for name in node} if OmegaConf.is_dict(node) else {}
 
-    return instantiate(cfg.logger, root_dir=str(run_dir)) if enabled else NullLogger()
+
+def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
+    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks a logger that does nothing."""
+    from runner.loggers import LoggerSet, NullLogger
+
+    loggers = [_build_one_logger(spec, run_dir) for spec in logger_specs(cfg).values()] if enabled else []
+    if not loggers:
+        return NullLogger()
+    return loggers[0] if len(loggers) == 1 else LoggerSet(loggers)
+
+
+def _build_one_logger(spec: DictConfig, run_dir: Path) -> Any:
+    # A logger gets the run folder as `root_dir` when its constructor takes one (and its settings do not set it).
+    if "root_dir" not in spec and _accepts(get_method(spec._target_), "root_dir"):
+        return instantiate(spec, root_dir=str(run_dir))
+    return instantiate(spec)
+
+
+def _accepts(target: Any, name: str) -> bool:
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _strategy_class(cfg: DictConfig) -> Any:
@@ -230,11 +254,25 @@ def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
         yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {_one_line(error)}"
     yield from _check_top_k(cfg)
     yield from _check_metrics(cfg)
-    with tempfile.TemporaryDirectory() as scratch:  # a logger may create its folder when built
-        try:
-            build_logger(cfg, Path(scratch), enabled=True)
-        except Exception as error:  # noqa: BLE001
-            yield f"logger ({cfg.logger.get('_target_')}) does not accept its settings: {_one_line(error)}"
+    yield from _check_loggers(cfg)
+
+
+def _check_loggers(cfg: DictConfig) -> Iterator[str]:
+    """Each logger has the four methods of a logger and is built once in a scratch folder (it may create files)."""
+    from runner.loggers import LOGGER_METHODS
+
+    for name, spec in logger_specs(cfg).items():
+        target = get_method(spec._target_)
+        missing = [m for m in LOGGER_METHODS if not callable(getattr(target, m, None))]
+        if missing:
+            yield (f"logger.{name}._target_={spec._target_} is not a logger (it lacks {', '.join(missing)}): a logger "
+                   "has log_metrics(metrics, step), resume_at(step), log_hyperparams(params, metrics) and finalize()")
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                _build_one_logger(spec, Path(scratch)).finalize()
+            except Exception as error:  # noqa: BLE001 - any refusal of the settings is the user's to fix
+                yield f"logger.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
 
 
 def _check_top_k(cfg: DictConfig) -> Iterator[str]:

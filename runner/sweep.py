@@ -95,7 +95,8 @@ def _continue_or_clear(cfg: DictConfig, job_dir: Path, resume_hash: str) -> None
                 job_dir)
     for stale in ("checkpoints", "tensorboard"):
         shutil.rmtree(job_dir / stale, ignore_errors=True)
-    (job_dir / "metrics.json").unlink(missing_ok=True)
+    for stale in ("metrics.json", "metrics.csv"):
+        (job_dir / stale).unlink(missing_ok=True)
 
 
 def _write_status(job_dir: Path, status: dict) -> None:

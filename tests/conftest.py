@@ -32,7 +32,7 @@ TINY = (
     "data.batch_size=16",
     "data.num_features=8",
     "model.hidden=16",
-    "logger.flush_secs=1",
+    "logger.tensorboard.flush_secs=1",
 )
 
 # Variables that would make the runner think torchrun or SLURM started it.

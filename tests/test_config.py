@@ -16,6 +16,7 @@ from runner.config import ConfigError, unique_dir
 from runner.data import train_loader
 from runner.instantiate import (build_data, build_logger, build_model, build_optimizer, build_scheduler,
                                 build_strategy, build_task, validate)
+from runner.loggers import NullLogger
 from runner.precision import Precision
 from runner.tasks import TaskModule
 from runner.strategies import Strategy
@@ -94,8 +95,13 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
         logger = build_logger(cfg, tmp_path, enabled=True)
         built = {"strategy": strategy, "model": model, "data": data, "task": task, "logger": logger,
                  "optimizer": optimizer, "scheduler": scheduler}
-        if group in built and not cfg[group].get("_partial_", False):
+        if group in built and group != "logger" and not cfg[group].get("_partial_", False):
             _assert_built_as_targeted(built[group], cfg[group])
+        if group == "logger":  # each option sits under its own name, logger.<option>; none is no logger at all
+            if option == "none":
+                assert isinstance(logger, NullLogger) and not cfg.logger
+            else:
+                _assert_built_as_targeted(logger, cfg.logger[option])
         assert isinstance(optimizer, torch.optim.Optimizer)
         assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
         # The pieces fit together: one batch of the data through the model and its task.
@@ -220,8 +226,12 @@ def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None
     [
         (["+optimizer.lrr=0.1"], "optimizer (torch.optim.AdamW) does not accept its settings: got an unexpected"),
         (["scheduler=step", "+scheduler.foo=1"], "scheduler (torch.optim.lr_scheduler.StepLR) does not accept"),
-        (["logger.flush_secs=0"], "logger (runner.loggers.TensorBoardLogger) does not accept its settings: "
-                                   "ValueError: flush_secs=0 must be a positive number of seconds"),
+        (["logger.tensorboard.flush_secs=0"], "logger.tensorboard (runner.loggers.TensorBoardLogger) does not "
+                                               "accept its settings: ValueError: flush_secs=0 must be a positive"),
+        (["logger=csv", "logger.csv.filename=a/b.csv"], "logger.csv (runner.loggers.CSVLogger) does not accept its "
+                                                         "settings: ValueError: filename='a/b.csv' must be a file"),
+        (["+logger.mine._target_=collections.OrderedDict"], "logger.mine._target_=collections.OrderedDict is not a "
+                                                            "logger (it lacks log_metrics, resume_at"),
         (["cluster=slurm"], "cluster=slurm but this process was not started by srun"),
         (["cluster=torchelastic"], "cluster=torchelastic but this process was not started by torchrun"),
     ],
