@@ -103,6 +103,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         if not multirun:
             sys.exit(128 + signum if signum else 1)
         failed_jobs.append(str(job_dir))
+    if multirun and cfg.objective not in metrics:
+        known = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
+        print(f"warning: objective={cfg.objective} is not a metric of job {job_dir.name} ({known}); "
+              "the sweeper gets no value for it", file=sys.stderr)
     return metrics.get(cfg.objective)
 
 

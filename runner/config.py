@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 
-class ConfigError(Exception):
-    """A config that cannot run. Holds every problem found, each naming the key, the value and what is allowed."""
+class ConfigError(CompactHydraException):
+    """A config that cannot run. Holds every problem found, each naming the key, the value and what is allowed.
+
+    A compact Hydra error: raised where Hydra reports it (a callback, a sweeper), it prints as its message alone.
+    """
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
@@ -249,10 +253,18 @@ def _check_logger(cfg: DictConfig) -> Iterator[str]:
             yield f"logger.{name}={value} has no _target_: name a logger class, e.g. runner.loggers.CSVLogger"
 
 
+def _check_objective(cfg: DictConfig) -> Iterator[str]:
+    if cfg.get("direction") not in ("minimize", "maximize"):
+        yield f"direction={cfg.get('direction')} is not allowed: use minimize or maximize (for objective={cfg.get('objective')})"
+    if not (isinstance(cfg.get("objective"), str) and cfg.objective):
+        yield f"objective={cfg.get('objective')} must name a metric, e.g. val/loss or val/acc"
+
+
 def check_static(cfg: DictConfig) -> list[str]:
     """Problems that need no hardware look-up: types, ranges, importable targets."""
     problems = list(_check_trainer(cfg.trainer))
     problems += _check_logger(cfg)
+    problems += _check_objective(cfg)
     problems += _check_data(cfg)
     problems += _check_scheduler(cfg)
     problems += _check_targets(cfg)

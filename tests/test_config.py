@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -47,6 +48,9 @@ COMPANIONS = {
     ("task", "model"): ["experiment=hf_style"],
 }
 
+# Options that need a Hydra plugin (an optional extra), by the module it installs.
+NEEDS_PLUGIN = {("hparams_search", "optuna"): "hydra_plugins.hydra_optuna_sweeper"}
+
 # Options that read who started the processes from the environment: one process, rank 0.
 ENVIRONMENTS = {
     "torchelastic": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -59,7 +63,7 @@ ENVIRONMENTS = {
 def test_the_option_list_covers_every_group() -> None:
     groups = {group for group, _ in all_options()}
     assert {"strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "optimizer",
-            "scheduler", "logger", "task", "trainer", "experiment"} <= groups
+            "scheduler", "logger", "task", "trainer", "experiment", "hparams_search"} <= groups
     assert {"auto", "single", "dp", "ddp"} <= {o for g, o in all_options() if g == "strategy"}
 
 
@@ -76,8 +80,10 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
     for key, value in ENVIRONMENTS.get(option if group == "cluster" else "", {}).items():
         monkeypatch.setenv(key, value)
     # max_steps: scheduler=cosine decays over it, and it must be set for that option to validate.
+    if (group, option) in NEEDS_PLUGIN and importlib.util.find_spec(NEEDS_PLUGIN[group, option]) is None:
+        pytest.skip(f"{group}={option} needs {NEEDS_PLUGIN[group, option]}")
     cfg = compose_config([f"{group}={option}", "trainer.max_steps=10", *COMPANIONS.get((group, option), [])])
-    if group != "experiment":  # experiments are `# @package _global_` presets: they have no node of their own
+    if group not in ("experiment", "hparams_search"):  # `# @package _global_` presets have no node of their own
         assert cfg[group] is not None
     if (group, option) in NEEDS_CUDA and not CUDA:
         with pytest.raises(ConfigError, match=NEEDS_CUDA[group, option]):
