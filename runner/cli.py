@@ -16,7 +16,8 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from runner.config import CONFIG_DIR, CONFIG_MODULE, register_configs, register_resolvers
+from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, check_overrides, register_configs,
+                           register_resolvers)
 
 register_resolvers()
 register_configs()
@@ -119,6 +120,10 @@ def _expected(error: BaseException) -> bool:
 def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
+    problems = check_overrides(sys.argv[1:])
+    if problems:
+        _report(ConfigError(problems))
+        sys.exit(1)
     sys.argv[1:] = _prepare_external_launch(_quote_numeric_choices(sys.argv[1:]))
     hydra_main()
     if failed_jobs:

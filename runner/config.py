@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
@@ -53,7 +53,8 @@ class TrainerConfig:
 
 @dataclass
 class RunnerConfig:
-    """The primary config's schema: `trainer` is typed; the other groups are whatever their options hold."""
+    """The primary config's schema: `trainer` is typed here, the runner's other groups by their options' schemas
+    (runner/schemas.py), the user's groups by their targets' signatures."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: Any = None
@@ -70,11 +71,20 @@ class RunnerConfig:
     logger: Any = None
     objective: str = "val/loss"  # the metric a sweep optimises
     direction: str = "minimize"
+    # Free-form: the user's own keys, which the runner never reads (logged with the other settings).
+    extras: Dict[str, Any] = field(default_factory=dict)
+    tags: List[str] = field(default_factory=list)
+    notes: Optional[str] = None
 
 
 def register_configs() -> None:
+    from runner.schemas import SCHEMAS
+
     # Outside any group, so --help lists only the real options.
-    ConfigStore.instance().store(name="runner_schema", node=RunnerConfig)
+    store = ConfigStore.instance()
+    store.store(name="runner_schema", node=RunnerConfig)
+    for name, schema in SCHEMAS.items():
+        store.store(name=f"runner_schema_{name}", node=schema)
 
 
 # The config groups ship inside the package: runner/conf/, `pkg://runner.conf` on Hydra's search path.
@@ -96,6 +106,9 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
 
     register_resolvers()
     register_configs()
+    problems = check_overrides(overrides)
+    if problems:
+        raise ConfigError(problems)
     search_path = create_config_search_path(f"pkg://{CONFIG_MODULE}")
     if config_dir is not None:
         folder = Path(config_dir).resolve()
@@ -109,12 +122,16 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
     try:
         setbase("1.3")
         Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
     finally:
         global_hydra.clear()
         version.version_base = outer_version
         if outer is not None:
             global_hydra.initialize(outer)
+    problems = check_keys(cfg)  # what Hydra's `+key=value` lets through
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 _unique_dirs: dict[str, str] = {}
@@ -153,6 +170,81 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Groups every run needs: `~group` or `group=null` would remove one.
+REQUIRED_GROUPS = ("strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data",
+                   "optimizer", "scheduler", "task")
+# torch.manual_seed and the samplers' generators take seeds up to 2**64 - 1; each epoch adds one.
+_SEED_LIMIT = 2**63 - 1
+
+
+def group_options(group: str) -> list[str]:
+    folder = Path(CONFIG_DIR) / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _field_names(schema: Any) -> list[str]:
+    return [f.name for f in fields(schema)]
+
+
+def _check_groups_set(cfg: DictConfig) -> Iterator[str]:
+    for group in REQUIRED_GROUPS:
+        node = cfg.get(group)
+        if node is None:
+            hint = "; scheduler=constant keeps the learning rate constant" if group == "scheduler" else ""
+            yield (f"{group} is not set ({group}=null and ~{group} remove the group): choose {group}=<option> "
+                   f"({', '.join(group_options(group))}){hint}")
+        elif not (OmegaConf.is_dict(node) and "_target_" in node):
+            yield f"{group}={_show(node)} has no _target_: choose {group}=<option> ({', '.join(group_options(group))})"
+
+
+def _show(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _check_keys(cfg: DictConfig) -> Iterator[str]:
+    """Keys the schemas do not have, which Hydra's `+key=value` adds without a word (and nothing would read)."""
+    from runner.signatures import suggest
+
+    top = _field_names(RunnerConfig)
+    trainer = _field_names(TrainerConfig)
+    for key in cfg:
+        if key in top or key == "hydra":  # hydra: a config composed with return_hydra_config=True
+            continue
+        if key in trainer:
+            hint = f" (did you mean trainer.{key}?)"
+        else:
+            hint = suggest(str(key), top)
+        yield (f"{key} is not a top-level key{hint}; allowed: {', '.join(top)} "
+               f"(put keys of your own under extras, e.g. +extras.{key}=...)")
+    node = cfg.get("trainer")
+    for key in node if OmegaConf.is_dict(node) else ():
+        if key in trainer:
+            continue
+        if key in top and group_options(str(key)):
+            hint = f" ({key} is a config group: {key}=<option>, one of {', '.join(group_options(str(key)))})"
+        else:
+            hint = suggest(str(key), trainer)
+        yield f"trainer.{key} is not a trainer setting{hint}; allowed: {', '.join(trainer)}"
+
+
+def check_overrides(overrides: Sequence[str]) -> list[str]:
+    """`group=null` on the command line, which Hydra fails on with a traceback; `~group` is its syntax."""
+    problems = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        group = key.lstrip("+~")
+        if sep and value.strip() == "null" and group_options(group):
+            hint = "logger=none logs nothing; " if group == "logger" else ""
+            problems.append(f"{group}=null is not an option of {group}: {hint}choose one of "
+                            f"{', '.join(group_options(group))} (~{group} removes the group)")
+    return problems
+
+
+def check_keys(cfg: DictConfig) -> list[str]:
+    """Problems of the config's shape: removed groups and keys nothing reads. No imports, no hardware."""
+    return [*_check_groups_set(cfg), *_check_keys(cfg)]
+
+
 def _check_trainer(t: DictConfig) -> Iterator[str]:
     devices = t.devices
     if not (devices == "auto" or (_is_int(devices) and (devices >= 1 or devices == -1)) or _is_index_list(devices)):
@@ -177,6 +269,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield from _check_fraction_or_count(key, t[key], allow_zero=key == "limit_val_batches")
     if not (isinstance(t.fast_dev_run, bool) or (_is_int(t.fast_dev_run) and t.fast_dev_run >= 0)):
         yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
+    if not (_is_int(t.seed) and 0 <= t.seed <= _SEED_LIMIT):
+        yield f"trainer.seed={t.seed} must be an integer from 0 to 2**63-1"
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
                "e.g. trainer.compile={mode:max-autotune}")
@@ -219,9 +313,20 @@ def _check_targets(cfg: DictConfig) -> Iterator[str]:
 
 
 def _check_data(cfg: DictConfig) -> Iterator[str]:
-    batch_size = cfg.data.get("batch_size") if OmegaConf.is_dict(cfg.get("data")) else None
+    """The keys the runner's loaders read from any data object: batch_size, num_workers, pin_memory; and seed."""
+    data = cfg.data
+    batch_size = data.get("batch_size")
     if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
         yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
+    workers = data.get("num_workers")
+    if workers is not None and not (_is_int(workers) and workers >= 0):
+        yield f"data.num_workers={workers} must be 0 (load in the training process) or a positive number of processes"
+    pin = data.get("pin_memory")
+    if pin is not None and not isinstance(pin, bool):
+        yield f"data.pin_memory={pin} must be true or false"
+    seed = data.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed <= _SEED_LIMIT):
+        yield f"data.seed={seed} must be an integer from 0 to 2**63-1"
 
 
 def _check_scheduler(cfg: DictConfig) -> Iterator[str]:
@@ -261,7 +366,10 @@ def _check_objective(cfg: DictConfig) -> Iterator[str]:
 
 
 def check_static(cfg: DictConfig) -> list[str]:
-    """Problems that need no hardware look-up: types, ranges, importable targets."""
+    """Problems that need no hardware look-up: shape, types, ranges, importable targets."""
+    problems = check_keys(cfg)
+    if problems:  # the checks below read the groups
+        return problems
     problems = list(_check_trainer(cfg.trainer))
     problems += _check_logger(cfg)
     problems += _check_objective(cfg)
