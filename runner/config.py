@@ -77,9 +77,32 @@ class RunnerConfig:
     notes: Optional[str] = None
 
 
+def _share_the_config_store_in_copies() -> None:
+    """Make Hydra's copies of its config repository share the ConfigStore instead of deep-copying it.
+
+    `--help` lists every group and option through a fresh copy of the repository (~120 copies), and each copy
+    deep-copied the ConfigStore its structured source points to: with the schemas here and a sweeper
+    plugin's, over a second of `--help`. A config source is its provider, its path and a handle on where its
+    configs are read (the store is a process-wide singleton): a copy sharing them reads the same configs.
+    Set on the base class, as Hydra's plugin discovery re-imports the module of the structured source.
+    """
+    from hydra.plugins.config_source import ConfigSource
+
+    if "__deepcopy__" in vars(ConfigSource):
+        return
+
+    def __deepcopy__(self: Any, memo: dict) -> Any:
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        return copy
+
+    ConfigSource.__deepcopy__ = __deepcopy__
+
+
 def register_configs() -> None:
     from runner.schemas import SCHEMAS
 
+    _share_the_config_store_in_copies()
     # Outside any group, so --help lists only the real options.
     store = ConfigStore.instance()
     store.store(name="runner_schema", node=RunnerConfig)
