@@ -8,15 +8,12 @@ __all__ = ["compose", "fit"]
 def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> Any:
     """The config `python -m runner <overrides>` would run, for `fit` (and tests) to use from Python.
 
-    `config_dir` defaults to the project's conf/; give another folder with the same groups to use your own.
+    `config_dir`: a folder of your own config groups and options (e.g. `model/mynet.yaml`), added to the built-in
+    ones as `--config-dir` adds it on the command line. Works inside another Hydra app or after `hydra.initialize()`.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from runner.config import compose as _compose
 
-    from runner.cli import CONFIG_DIR  # registers the schema and resolvers
-
-    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base="1.3", job_name="runner"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+    return _compose(overrides, config_dir)
 
 
 def fit(cfg: Any, run_dir: Any = None) -> dict:

@@ -2,57 +2,74 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig
 
-from runner.config import register_configs, register_resolvers
+from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
+from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, check_overrides, register_configs,
+                           register_resolvers)
 
 register_resolvers()
 register_configs()
-
-# The config groups live at the top of the repository (conf/), beside the package.
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
 _main_pid: Optional[int] = None
 
 
+def _external_environment() -> Any:
+    """torchrun's or SLURM's environment when one of them started this process, else None."""
+    from runner.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    return next((e() for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+
+
+_REFUSED_SWEEP = ("a sweep (-m) cannot run in processes {launcher} started: each of its jobs starts its own "
+                  "workers. Run it without {launcher}: python -m runner -m ... strategy=ddp trainer.devices=N "
+                  "(or hydra/launcher=submitit_slurm for jobs on a SLURM cluster)")
+
+
+def _launcher_name(environment: Any) -> str:
+    from runner.environments import SLURMEnvironment
+
+    return "srun" if isinstance(environment, SLURMEnvironment) else "torchrun"
+
+
 def _prepare_external_launch(argv: list[str]) -> list[str]:
     """Overrides for processes torchrun or srun started, so that all ranks of a job share one run folder.
 
     Under SLURM the folder is named after the job, so a requeued job finds its own checkpoints. Ranks > 0
-    compose the same config but write no folder of their own: rank 0's is broadcast to them once the
-    process group is up.
+    compose the same config but write nothing: their Hydra run dir is the system's temporary folder, which
+    exists already (so no folder is made, nor left behind by a killed run), with no .hydra/ output and no
+    logging set up by Hydra; rank 0's run folder is broadcast to them once the process group is up.
     """
-    from runner.environments import SLURMEnvironment, TorchElasticEnvironment
+    from runner.environments import SLURMEnvironment
 
     if any(a in ("--help", "-h", "--info", "--cfg", "-c") for a in argv):
         return argv
-    environment = next((e() for e in (TorchElasticEnvironment, SLURMEnvironment) if e.detect()), None)
+    environment = _external_environment()
     if environment is None:
         return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        _report(ConfigError([_REFUSED_SWEEP.format(launcher=_launcher_name(environment))]))
+        sys.exit(1)
     if isinstance(environment, SLURMEnvironment):
         job = f"{os.environ.get('SLURM_JOB_ID', '0')}-{os.environ.get('SLURM_STEP_ID', '0')}"
         if not any(a.startswith("hydra.run.dir=") for a in argv):
             argv = [*argv, f"hydra.run.dir=outputs/slurm-{job}"]
     if environment.global_rank() == 0:
         return argv
-    scratch = tempfile.mkdtemp(prefix="runner-rank-")
-    atexit.register(shutil.rmtree, scratch, True)
-    return [*argv, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
-            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    return [*argv, f"hydra.run.dir={tempfile.gettempdir()}", "hydra.output_subdir=null",
+            "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
@@ -74,18 +91,23 @@ def _report(error: BaseException) -> None:
     print(f"error: {error}", file=sys.stderr)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def hydra_main(cfg: DictConfig) -> Optional[float]:
     """One Hydra job. Returns the objective (`cfg.objective`) so sweeper plugins can optimise it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from runner import job, sweep
+    from runner.logs import chosen_job_logging
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    fit = functools.partial(job.fit, own_logging=False)
+    environment = _external_environment() if multirun and os.getpid() == _main_pid else None
+    if environment is not None:  # a preset's hydra.mode=MULTIRUN (a launcher plugin's job runs elsewhere)
+        _report(ConfigError([_REFUSED_SWEEP.format(launcher=_launcher_name(environment))]))
+        sys.exit(1)
+    fit = functools.partial(job.fit, own_logging=False, job_logging=chosen_job_logging(hydra_cfg))
     try:
         metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
     except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
@@ -106,6 +128,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         if not multirun:
             sys.exit(128 + signum if signum else 1)
         failed_jobs.append(str(job_dir))
+    if multirun and cfg.objective not in metrics:
+        known = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
+        print(f"warning: objective={cfg.objective} is not a metric of job {job_dir.name} ({known}); "
+              "the sweeper gets no value for it", file=sys.stderr)
     return metrics.get(cfg.objective)
 
 
@@ -118,6 +144,17 @@ def _expected(error: BaseException) -> bool:
 def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
+    if run_as_python_m() and wants_bash_install(sys.argv[1:]):
+        print(PYTHON_M_BASH)  # Hydra's own completes `runner ...`, not `python -m runner ...`
+        return
+    normalize_query_line()
+    # `runner` imports experiment code from the current folder, as `python -m runner` does.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    problems = check_overrides(sys.argv[1:])
+    if problems:
+        _report(ConfigError(problems))
+        sys.exit(1)
     sys.argv[1:] = _prepare_external_launch(_quote_numeric_choices(sys.argv[1:]))
     hydra_main()
     if failed_jobs:

@@ -1,18 +1,24 @@
-"""Config schema, the run-folder resolver, and the checks a composed config passes before any worker starts."""
+"""Config schema, composition from Python, the run-folder resolver, and the checks a config passes before any
+worker starts."""
 
 from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 
-class ConfigError(Exception):
-    """A config that cannot run. Holds every problem found, each naming the key, the value and what is allowed."""
+class ConfigError(CompactHydraException):
+    """A config that cannot run. Holds every problem found, each naming the key, the value and what is allowed.
+
+    A compact Hydra error: raised where Hydra reports it (a callback, a sweeper), it prints as its message alone.
+    """
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
@@ -51,7 +57,8 @@ class TrainerConfig:
 
 @dataclass
 class RunnerConfig:
-    """The primary config's schema: `trainer` is typed; the other groups are whatever their options hold."""
+    """The primary config's schema: `trainer` is typed here, the runner's other groups by their options' schemas
+    (runner/schemas.py), the user's groups by their targets' signatures."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: Any = None
@@ -70,11 +77,90 @@ class RunnerConfig:
     stage: str = "fit"  # fit, validate, test or predict
     objective: str = "val/loss"  # the metric a sweep optimises
     direction: str = "minimize"
+    # Free-form: the user's own keys, which the runner never reads (logged with the other settings).
+    extras: Dict[str, Any] = field(default_factory=dict)
+    tags: List[str] = field(default_factory=list)
+    notes: Optional[str] = None
+
+
+def _share_the_config_store_in_copies() -> None:
+    """Make Hydra's copies of its config repository share the ConfigStore instead of deep-copying it.
+
+    `--help` lists every group and option through a fresh copy of the repository (~120 copies), and each copy
+    deep-copied the ConfigStore its structured source points to: with the schemas here and a sweeper
+    plugin's, over a second of `--help`. A config source is its provider, its path and a handle on where its
+    configs are read (the store is a process-wide singleton): a copy sharing them reads the same configs.
+    Set on the base class, as Hydra's plugin discovery re-imports the module of the structured source.
+    """
+    from hydra.plugins.config_source import ConfigSource
+
+    if "__deepcopy__" in vars(ConfigSource):
+        return
+
+    def __deepcopy__(self: Any, memo: dict) -> Any:
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        return copy
+
+    ConfigSource.__deepcopy__ = __deepcopy__
 
 
 def register_configs() -> None:
+    from runner.schemas import SCHEMAS
+
+    _share_the_config_store_in_copies()
     # Outside any group, so --help lists only the real options.
-    ConfigStore.instance().store(name="runner_schema", node=RunnerConfig)
+    store = ConfigStore.instance()
+    store.store(name="runner_schema", node=RunnerConfig)
+    for name, schema in SCHEMAS.items():
+        store.store(name=f"runner_schema_{name}", node=schema)
+
+
+# The config groups ship inside the package: runner/conf/, `pkg://runner.conf` on Hydra's search path.
+CONFIG_MODULE = "runner.conf"
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig:
+    """The config `python -m runner [--config-dir DIR] <overrides>` would run (see `runner.compose`).
+
+    Composed with a Hydra of its own: another app's (`@hydra.main`, `hydra.initialize()`) is put back afterwards.
+    """
+    from hydra import compose as hydra_compose
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.version import VersionBase, setbase
+
+    register_resolvers()
+    register_configs()
+    problems = check_overrides(overrides)
+    if problems:
+        raise ConfigError(problems)
+    search_path = create_config_search_path(f"pkg://{CONFIG_MODULE}")
+    if config_dir is not None:
+        folder = Path(config_dir).resolve()
+        if not folder.is_dir():
+            raise ConfigError([f"config_dir={config_dir} is not a folder"])
+        # Where --config-dir goes: after the built-in groups, so it adds options and never hides one.
+        search_path.prepend("runner.compose(config_dir)", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    global_hydra, version = GlobalHydra.instance(), VersionBase.instance()
+    outer, outer_version = global_hydra.hydra, version.getbase()
+    global_hydra.clear()
+    try:
+        setbase("1.3")
+        Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    finally:
+        global_hydra.clear()
+        version.version_base = outer_version
+        if outer is not None:
+            global_hydra.initialize(outer)
+    problems = check_keys(cfg)  # what Hydra's `+key=value` lets through
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 _unique_dirs: dict[str, str] = {}
@@ -113,6 +199,81 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Groups every run needs: `~group` or `group=null` would remove one.
+REQUIRED_GROUPS = ("strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data",
+                   "optimizer", "scheduler", "task")
+# torch.manual_seed and the samplers' generators take seeds up to 2**64 - 1; each epoch adds one.
+_SEED_LIMIT = 2**63 - 1
+
+
+def group_options(group: str) -> list[str]:
+    folder = Path(CONFIG_DIR) / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _field_names(schema: Any) -> list[str]:
+    return [f.name for f in fields(schema)]
+
+
+def _check_groups_set(cfg: DictConfig) -> Iterator[str]:
+    for group in REQUIRED_GROUPS:
+        node = cfg.get(group)
+        if node is None:
+            hint = "; scheduler=constant keeps the learning rate constant" if group == "scheduler" else ""
+            yield (f"{group} is not set ({group}=null and ~{group} remove the group): choose {group}=<option> "
+                   f"({', '.join(group_options(group))}){hint}")
+        elif not (OmegaConf.is_dict(node) and "_target_" in node):
+            yield f"{group}={_show(node)} has no _target_: choose {group}=<option> ({', '.join(group_options(group))})"
+
+
+def _show(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _check_keys(cfg: DictConfig) -> Iterator[str]:
+    """Keys the schemas do not have, which Hydra's `+key=value` adds without a word (and nothing would read)."""
+    from runner.signatures import suggest
+
+    top = _field_names(RunnerConfig)
+    trainer = _field_names(TrainerConfig)
+    for key in cfg:
+        if key in top or key == "hydra":  # hydra: a config composed with return_hydra_config=True
+            continue
+        if key in trainer:
+            hint = f" (did you mean trainer.{key}?)"
+        else:
+            hint = suggest(str(key), top)
+        yield (f"{key} is not a top-level key{hint}; allowed: {', '.join(top)} "
+               f"(put keys of your own under extras, e.g. +extras.{key}=...)")
+    node = cfg.get("trainer")
+    for key in node if OmegaConf.is_dict(node) else ():
+        if key in trainer:
+            continue
+        if key in top and group_options(str(key)):
+            hint = f" ({key} is a config group: {key}=<option>, one of {', '.join(group_options(str(key)))})"
+        else:
+            hint = suggest(str(key), trainer)
+        yield f"trainer.{key} is not a trainer setting{hint}; allowed: {', '.join(trainer)}"
+
+
+def check_overrides(overrides: Sequence[str]) -> list[str]:
+    """`group=null` on the command line, which Hydra fails on with a traceback; `~group` is its syntax."""
+    problems = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        group = key.lstrip("+~")
+        if sep and value.strip() == "null" and group_options(group):
+            hint = "logger=none logs nothing; " if group == "logger" else ""
+            problems.append(f"{group}=null is not an option of {group}: {hint}choose one of "
+                            f"{', '.join(group_options(group))} (~{group} removes the group)")
+    return problems
+
+
+def check_keys(cfg: DictConfig) -> list[str]:
+    """Problems of the config's shape: removed groups and keys nothing reads. No imports, no hardware."""
+    return [*_check_groups_set(cfg), *_check_keys(cfg)]
+
+
 def _check_trainer(t: DictConfig) -> Iterator[str]:
     devices = t.devices
     if not (devices == "auto" or (_is_int(devices) and (devices >= 1 or devices == -1)) or _is_index_list(devices)):
@@ -139,6 +300,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield from _check_fraction_or_count(key, t[key], allow_zero=key == "limit_val_batches")
     if not (isinstance(t.fast_dev_run, bool) or (_is_int(t.fast_dev_run) and t.fast_dev_run >= 0)):
         yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
+    if not (_is_int(t.seed) and 0 <= t.seed <= _SEED_LIMIT):
+        yield f"trainer.seed={t.seed} must be an integer from 0 to 2**63-1"
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
                "e.g. trainer.compile={mode:max-autotune}")
@@ -181,9 +344,20 @@ def _check_targets(cfg: DictConfig) -> Iterator[str]:
 
 
 def _check_data(cfg: DictConfig) -> Iterator[str]:
-    batch_size = cfg.data.get("batch_size") if OmegaConf.is_dict(cfg.get("data")) else None
+    """The keys the runner's loaders read from any data object: batch_size, num_workers, pin_memory; and seed."""
+    data = cfg.data
+    batch_size = data.get("batch_size")
     if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
         yield f"data.batch_size={batch_size} must be a positive integer (samples per process)"
+    workers = data.get("num_workers")
+    if workers is not None and not (_is_int(workers) and workers >= 0):
+        yield f"data.num_workers={workers} must be 0 (load in the training process) or a positive number of processes"
+    pin = data.get("pin_memory")
+    if pin is not None and not isinstance(pin, bool):
+        yield f"data.pin_memory={pin} must be true or false"
+    seed = data.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed <= _SEED_LIMIT):
+        yield f"data.seed={seed} must be an integer from 0 to 2**63-1"
 
 
 def _check_stage(cfg: DictConfig) -> Iterator[str]:
@@ -195,10 +369,42 @@ def _check_stage(cfg: DictConfig) -> Iterator[str]:
                "(the newest of this run folder, else of a run of the same config)")
 
 
+_CHOOSE_LOGGER = "choose logger=tensorboard, logger=csv, logger=none (no logger) or several: logger=[tensorboard,csv]"
+
+
+def _check_logger(cfg: DictConfig) -> Iterator[str]:
+    node = cfg.get("logger")
+    if node is None:
+        yield f"logger is not set (logger=null and ~logger remove it): {_CHOOSE_LOGGER}"
+        return
+    if not OmegaConf.is_dict(node):
+        yield f"logger={node} must map names to loggers: {_CHOOSE_LOGGER}"
+        return
+    for name in node:
+        value = node[name]
+        if name == "_target_":
+            yield (f"logger._target_={value}: each logger sits under a name of its own, e.g. "
+                   f"+logger.mine._target_={value} (logger=[tensorboard,csv] chooses several)")
+        elif not (OmegaConf.is_dict(value) and "_target_" in value):
+            yield f"logger.{name}={value} has no _target_: name a logger class, e.g. runner.loggers.CSVLogger"
+
+
+def _check_objective(cfg: DictConfig) -> Iterator[str]:
+    if cfg.get("direction") not in ("minimize", "maximize"):
+        yield f"direction={cfg.get('direction')} is not allowed: use minimize or maximize (for objective={cfg.get('objective')})"
+    if not (isinstance(cfg.get("objective"), str) and cfg.objective):
+        yield f"objective={cfg.get('objective')} must name a metric, e.g. val/loss or val/acc"
+
+
 def check_static(cfg: DictConfig) -> list[str]:
-    """Problems that need no hardware look-up: types, ranges, importable targets."""
+    """Problems that need no hardware look-up: shape, types, ranges, importable targets."""
+    problems = check_keys(cfg)
+    if problems:  # the checks below read the groups
+        return problems
     problems = list(_check_trainer(cfg.trainer))
     problems += _check_stage(cfg)
+    problems += _check_logger(cfg)
+    problems += _check_objective(cfg)
     problems += _check_data(cfg)
     problems += _check_targets(cfg)
     return problems

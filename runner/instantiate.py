@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -13,6 +16,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError, check_static
+from runner.signatures import check_settings
 
 
 def build_accelerator(cfg: DictConfig) -> Any:
@@ -53,16 +57,86 @@ def build_strategy(cfg: DictConfig) -> Any:
     return instantiate(cfg.strategy, **{k: v for k, v in offers.items() if k in accepted})
 
 
+# What build_strategy offers a strategy itself (the keys of its `offers`): not settings of the `strategy` group.
+STRATEGY_COMPONENTS = ("accelerator", "parallel_devices", "device", "cluster_environment", "checkpoint_io",
+                       "precision", "precision_plugin")
+
+
 def build_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model)
 
 
 def build_data(cfg: DictConfig) -> Any:
-    return instantiate(cfg.data)
+    """The data, after checking on the meta device that the model and task take its batches.
+
+    Here, where each process builds its data anyway: checking in the parent would build the data twice.
+    A model that does not fit (an input width other than the data's) fails with the sizes of both.
+    """
+    data = instantiate(cfg.data)
+    problem = model_data_mismatch(cfg, data)
+    if problem:
+        raise ConfigError([problem])
+    return data
 
 
 def build_task(cfg: DictConfig) -> Any:
     return instantiate(cfg.task)
+
+
+# Integer settings that are not sizes of a tensor, left out of a size mismatch's message.
+_NOT_SIZES = ("seed", "num_workers", "num_samples", "val_samples", "batch_size")
+
+
+def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
+    """What goes wrong when two samples of the data pass through the model and task on the meta device.
+
+    Shapes only: no memory, no initialisation, and the random number generators are left as they were.
+    None when they fit, or when the model or its operations cannot run on the meta device (the worker then
+    reports its own errors).
+    """
+    from runner.data import collate
+    from runner.precision import Precision
+    from runner.tasks import BatchError, TaskModule
+    from runner.tree import apply_to_tensors
+
+    with torch.random.fork_rng(devices=[]), _python_rng_kept():
+        try:
+            dataset = data.train_dataset
+            samples = [dataset[i] for i in range(min(2, len(dataset)))]
+            batch = apply_to_tensors(getattr(data, "collate_fn", collate)(samples), lambda t: t.to("meta"))
+            with torch.device("meta"):
+                model = build_model(cfg)
+            module = TaskModule(model, build_task(cfg), Precision())
+        except Exception:  # noqa: BLE001 - built for real by the worker, which reports its own errors
+            return None
+        if not samples:
+            return None
+        try:
+            with torch.no_grad():
+                module(batch)
+        except (RuntimeError, ValueError, IndexError, BatchError) as error:
+            if "meta" in str(error).lower():  # an operation the meta device cannot run: not a size problem
+                return None
+            return (f"model ({cfg.model._target_}) does not take the batches of data ({cfg.data._target_}): "
+                    f"{_one_line(error)}; sizes: {_sizes('model', cfg.model)}; {_sizes('data', cfg.data)}")
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def _sizes(group: str, node: DictConfig) -> str:
+    values = OmegaConf.to_container(node, resolve=True)
+    return ", ".join(f"{group}.{k}={v}" for k, v in values.items()
+                     if _is_int(v) and k not in _NOT_SIZES) or f"{group}: no integer settings"
+
+
+@contextlib.contextmanager
+def _python_rng_kept() -> Iterator[None]:
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def metric_specs(cfg: DictConfig) -> dict[str, tuple[DictConfig, tuple[str, ...]]]:
@@ -125,13 +199,17 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
 
 def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: Optional[int] = None) -> Any:
     """The scheduler for `optimizer`; one that takes `total_steps` and leaves it unset gets the run's count."""
-    takes_total = "total_steps" in inspect.signature(get_method(cfg.scheduler._target_)).parameters
-    extra = {"total_steps": total_steps} if takes_total and "total_steps" not in cfg.scheduler else {}
     try:
-        return instantiate(cfg.scheduler)(optimizer, **extra)
+        return instantiate(cfg.scheduler)(optimizer, **_scheduler_extra(cfg, total_steps))
     except (TypeError, ValueError) as error:
         raise ConfigError([f"scheduler ({cfg.scheduler._target_}) does not accept its settings: "
                            f"{_one_line(error)}"]) from error
+
+
+def _scheduler_extra(cfg: DictConfig, total_steps: Optional[int]) -> dict:
+    """`total_steps` for a scheduler that takes it and whose config leaves it out."""
+    takes_total = "total_steps" in inspect.signature(get_method(cfg.scheduler._target_)).parameters
+    return {"total_steps": total_steps} if takes_total and "total_steps" not in cfg.scheduler else {}
 
 
 def compile_arguments(cfg: DictConfig) -> Optional[dict]:
@@ -142,11 +220,35 @@ def compile_arguments(cfg: DictConfig) -> Optional[dict]:
     return OmegaConf.to_container(setting, resolve=True) if OmegaConf.is_dict(setting) and setting else None
 
 
-def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
-    """Rank 0 gets the configured logger; the other ranks a logger that does nothing."""
-    from runner.loggers import NullLogger
+def logger_specs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """`logger` as {name: settings}: one entry per chosen option (`logger=[tensorboard,csv]`), none for `none`."""
+    node = cfg.get("logger")
+    return {str(name): node[name] for name in node} if OmegaConf.is_dict(node) else {}
 
-    return instantiate(cfg.logger, root_dir=str(run_dir)) if enabled else NullLogger()
+
+def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
+    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks a logger that does nothing."""
+    from runner.loggers import LoggerSet, NullLogger
+
+    loggers = [_build_one_logger(spec, run_dir) for spec in logger_specs(cfg).values()] if enabled else []
+    if not loggers:
+        return NullLogger()
+    return loggers[0] if len(loggers) == 1 else LoggerSet(loggers)
+
+
+def _build_one_logger(spec: DictConfig, run_dir: Path) -> Any:
+    # A logger gets the run folder as `root_dir` when its constructor takes one (and its settings do not set it).
+    if "root_dir" not in spec and _accepts(get_method(spec._target_), "root_dir"):
+        return instantiate(spec, root_dir=str(run_dir))
+    return instantiate(spec)
+
+
+def _accepts(target: Any, name: str) -> bool:
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _strategy_class(cfg: DictConfig) -> Any:
@@ -213,24 +315,6 @@ def _one_line(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-def _check_arguments(group: str, node: Any, leading: int, given: tuple[str, ...] = ()) -> Iterator[str]:
-    """The keys of a `_partial_` group bind to its target's signature (after `leading` positional arguments).
-
-    Binding, not building: a first optimizer costs ~0.9 s of torch imports, which the parent of a
-    multi-process job would pay for nothing. Bad values are caught when the worker builds it.
-    """
-    target = get_method(node._target_)
-    keys = {k: None for k in node if not str(k).startswith("_")}
-    try:
-        parameters = inspect.signature(target).parameters
-        keys.update({name: None for name in given if name in parameters})  # what the runner passes itself
-        inspect.signature(target).bind(*([None] * leading), **keys)
-    except TypeError as error:
-        yield f"{group} ({node._target_}) does not accept its settings: {error}"
-    except ValueError:  # no signature to inspect (a builtin): leave it to the worker
-        return
-
-
 def _check_compile(cfg: DictConfig) -> Iterator[str]:
     from runner.strategies import DataParallelStrategy
 
@@ -248,9 +332,78 @@ def _check_compile(cfg: DictConfig) -> Iterator[str]:
                "device at every step, and the copies would run the original's compiled code")
 
 
+def _check_signatures(cfg: DictConfig) -> Iterator[str]:
+    """Every group's keys against its target's constructor: `+strategy.timeot=5` fails here, by name."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.strategies import DDPStrategy
+
+    strategy_class = _strategy_class(cfg)
+    ddp = DistributedDataParallel if strategy_class and issubclass(strategy_class, DDPStrategy) else None
+    # DDPStrategy passes its other keyword arguments to DistributedDataParallel; the module, the devices and
+    # the process group are the strategy's own.
+    yield from check_settings("strategy", cfg.strategy, injected=STRATEGY_COMPONENTS, kwargs_target=ddp,
+                              kwargs_skip=("module", "device_ids", "output_device", "process_group", "device_mesh"))
+    for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
+        yield from check_settings(group, cfg[group])
+    yield from check_settings("optimizer", cfg.optimizer, leading=1)  # called with the model's parameters
+    yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
+    for name, spec in logger_specs(cfg).items():
+        yield from check_settings(f"logger.{name}", spec)
+
+
+# What a constructor raises for values it refuses (ZeroDivisionError: StepLR's step_size=0 at its first step).
+_REFUSALS = (TypeError, ValueError, RuntimeError, KeyError, IndexError, ZeroDivisionError, OverflowError)
+
+
+def probe_optimizer(node: DictConfig, parameters: list) -> Any:
+    """The optimizer `node` configures, over `parameters`, without importing torch._dynamo; None if not a class.
+
+    Optimizer.add_param_group is wrapped by torch._disable_dynamo, which imports torch._dynamo (~1 s) at its
+    first call. A subclass calling the function underneath runs the same constructor checks (lr=-1 fails)
+    and fills param_groups with every default, in milliseconds.
+    """
+    target = get_method(node._target_)
+    if not (inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)):
+        return None
+    plain = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if plain is not None:
+        target = type(target.__name__, (target,), {"add_param_group": lambda self, group: plain(self, group)})
+    settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not str(k).startswith("_")}
+    return target(parameters, **settings)
+
+
+def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
+    """Both built over one parameter, and the scheduler stepped twice: a schedule's arithmetic runs at its steps."""
+    try:
+        optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
+    except _REFUSALS as error:
+        yield (f"optimizer ({cfg.optimizer._target_}) does not accept its settings "
+               f"({_settings('optimizer', cfg.optimizer)}): {_one_line(error)}")
+        return
+    if optimizer is None:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no training here
+            # A schedule over the run's steps gets a stand-in count; the worker passes the real one.
+            scheduler = instantiate(cfg.scheduler)(optimizer, **_scheduler_extra(cfg, max(cfg.trainer.max_steps, 2)))
+            for _ in range(2):
+                scheduler.step()
+    except _REFUSALS as error:
+        yield (f"scheduler ({cfg.scheduler._target_}) fails on its first steps with "
+               f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
+
+
+def _settings(group: str, node: DictConfig) -> str:
+    """`group.key=value, ...` for the node's plain values: the keys a message about them should name."""
+    values = OmegaConf.to_container(node, resolve=True)
+    return ", ".join(f"{group}.{k}={v}" for k, v in values.items()
+                     if not str(k).startswith("_") and isinstance(v, (bool, int, float, str, type(None))))
+
+
 def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
-    yield from _check_arguments("optimizer", cfg.optimizer, leading=1)
-    yield from _check_arguments("scheduler", cfg.scheduler, leading=1, given=("total_steps",))
+    yield from _check_optimizer_and_scheduler(cfg)
     try:
         build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
@@ -258,11 +411,25 @@ def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
     yield from _check_top_k(cfg)
     yield from _check_metrics(cfg)
     yield from _check_callbacks(cfg)
-    with tempfile.TemporaryDirectory() as scratch:  # a logger may create its folder when built
-        try:
-            build_logger(cfg, Path(scratch), enabled=True)
-        except Exception as error:  # noqa: BLE001
-            yield f"logger ({cfg.logger.get('_target_')}) does not accept its settings: {_one_line(error)}"
+    yield from _check_loggers(cfg)
+
+
+def _check_loggers(cfg: DictConfig) -> Iterator[str]:
+    """Each logger has the four methods of a logger and is built once in a scratch folder (it may create files)."""
+    from runner.loggers import LOGGER_METHODS
+
+    for name, spec in logger_specs(cfg).items():
+        target = get_method(spec._target_)
+        missing = [m for m in LOGGER_METHODS if not callable(getattr(target, m, None))]
+        if missing:
+            yield (f"logger.{name}._target_={spec._target_} is not a logger (it lacks {', '.join(missing)}): a logger "
+                   "has log_metrics(metrics, step), resume_at(step), log_hyperparams(params, metrics) and finalize()")
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                _build_one_logger(spec, Path(scratch)).finalize()
+            except Exception as error:  # noqa: BLE001 - any refusal of the settings is the user's to fix
+                yield f"logger.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
 
 
 def _check_callbacks(cfg: DictConfig) -> Iterator[str]:
@@ -344,6 +511,32 @@ def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[st
                f"of data.batch_size x processes = {per_batch}; resume with its global batch "
                f"({checkpoint.get('global_batch_size')} = data.batch_size x processes x accumulate_grad_batches)")
     yield from _check_model_fits(cfg, path, checkpoint["model"])
+    yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
+
+
+def _check_optimizer_state(cfg: DictConfig, path: Any, saved: Any) -> Iterator[str]:
+    """The configured optimizer keeps the per-parameter state the checkpoint holds (SGD's is not AdamW's).
+
+    One step of the configured optimizer over one parameter says what it keeps; this imports torch._dynamo,
+    which only a resumed run pays here (and an in-process run pays anyway for its first optimizer).
+    """
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not state:
+        return
+    try:
+        optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
+        if optimizer is None:
+            return
+        (parameter,) = optimizer.param_groups[0]["params"]
+        parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+    except Exception:  # noqa: BLE001 - an optimizer that needs more than this probe is checked when it loads
+        return
+    expected, found = set(optimizer.state[parameter]), set(next(iter(state.values())))
+    if not expected <= found:
+        yield (f"trainer.ckpt_path={path} holds the state of another optimizer: optimizer={cfg.optimizer._target_} "
+               f"keeps {', '.join(sorted(expected))} per parameter, the checkpoint {', '.join(sorted(found))}; "
+               "resume with the optimizer it was saved with")
 
 
 def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
@@ -368,6 +561,9 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes."""
     problems = check_static(cfg)
     if problems:  # the checks below build objects, which needs importable, well-typed settings
+        raise ConfigError(problems)
+    problems += _check_signatures(cfg)
+    if problems:  # building with keys a constructor does not take would only repeat them
         raise ConfigError(problems)
     problems += _check_components(cfg)
     problems += _check_half_optimizer(cfg)

@@ -107,9 +107,13 @@ def default_run_dir() -> Path:
     return Path(make_unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
 
 
-def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
-    """Run one job from a composed config and return its final metrics (see `runner.fit`)."""
+def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logging: Optional[dict] = None) -> dict:
+    """Run one job from a composed config and return its final metrics (see `runner.fit`).
+
+    `job_logging`: the job's `hydra/job_logging` when it is not Hydra's default, for the workers to apply.
+    """
     from runner import worker
+    from runner.logs import save_job_logging
 
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
@@ -119,6 +123,10 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True) -> dict:
     validate(cfg, ckpt_path)
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
+    if _external(strategy) and strategy.global_rank != 0:
+        # torchrun or srun started this rank: rank 0 writes the run folder, whose path it broadcasts.
+        return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
+    save_job_logging(run_dir, job_logging)
     config_file = run_dir / ".hydra" / "resolved.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it

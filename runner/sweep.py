@@ -1,5 +1,5 @@
 """Sweeps: each job of `python -m runner -m ...` is a full run; finished jobs are skipped, stopped ones resumed,
-and the sweep folder keeps a summary table of every job."""
+the sweep folder keeps a summary table of every job naming the best, and `direction` reaches the sweeper."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ import io
 import json
 import logging
 import shutil
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, read_write
+
+from runner.config import ConfigError
 
 log = logging.getLogger("runner")
+DIRECTIONS = ("minimize", "maximize")
 STATUS_FILE = ".hydra/job_status.json"
 
 
@@ -55,7 +61,7 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
     metrics = finished_metrics(job_dir, digest)
     if metrics is not None:
         log.info("job %s finished in an earlier run of this sweep: skipped", job_dir.name)
-        _write_summary(sweep_dir)
+        _write_summary(sweep_dir, cfg.objective, cfg.direction)
         return metrics
     status: dict[str, Any] = {"status": "running", "config_hash": digest,
                               "resume_hash": config_hash(cfg, ignore_length=True)}
@@ -73,7 +79,7 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
     finally:
         status["wall_time_s"] = round(time.time() - start, 2)
         _write_status(job_dir, status)
-        _write_summary(sweep_dir)
+        _write_summary(sweep_dir, cfg.objective, cfg.direction)
 
 
 def _continue_or_clear(cfg: DictConfig, job_dir: Path, resume_hash: str) -> None:
@@ -95,7 +101,8 @@ def _continue_or_clear(cfg: DictConfig, job_dir: Path, resume_hash: str) -> None
                 job_dir)
     for stale in ("checkpoints", "tensorboard"):
         shutil.rmtree(job_dir / stale, ignore_errors=True)
-    (job_dir / "metrics.json").unlink(missing_ok=True)
+    for stale in ("metrics.json", "metrics.csv"):
+        (job_dir / stale).unlink(missing_ok=True)
 
 
 def _write_status(job_dir: Path, status: dict) -> None:
@@ -122,20 +129,74 @@ def _job_rows(sweep_dir: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
 
 
-def _write_summary(sweep_dir: Path) -> None:
+def best_job(rows: list[dict], objective: str, direction: str) -> Optional[dict]:
+    """The finished job with the lowest (minimize) or highest (maximize) finite `objective`, if any."""
+    scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(objective), (int, float))
+              and math.isfinite(r[objective])]
+    if not scored:
+        return None
+    pick = min if direction == "minimize" else max
+    return pick(scored, key=lambda r: r[objective])
+
+
+def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
     """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = _job_rows(sweep_dir)
+        best = best_job(rows, objective, direction)
+        for row in rows:
+            row["best"] = "yes" if row is best else ""
         columns = list(dict.fromkeys(key for row in rows for key in row))
-        columns.append(columns.pop(columns.index("error")))
+        for last in ("best", "error"):
+            columns.append(columns.pop(columns.index(last)))
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
         _replace(sweep_dir / "summary.csv", buffer.getvalue())
-        _replace(sweep_dir / "summary.md", _markdown(rows, columns))
+        if best is None:
+            verdict = f"No finished job has {objective} yet ({direction})."
+        else:
+            verdict = (f"Best job by {objective} ({direction}): {best['job']}, {objective} = {best[objective]:.6g}"
+                       f"{' (' + best['overrides'] + ')' if best['overrides'] else ''}.")
+        _replace(sweep_dir / "summary.md", verdict + "\n\n" + _markdown(rows, columns))
+
+
+def set_sweeper_direction(config: DictConfig) -> None:
+    """Give a sweeper with a direction of its own (Optuna's `hydra.sweeper.direction`) the config's `direction`.
+
+    `direction` is the one setting: a different `hydra.sweeper.direction` typed beside it is refused rather
+    than silently overruled. Raises ConfigError.
+    """
+    sweeper = config.hydra.sweeper
+    if "direction" not in sweeper:
+        return
+    direction = config.get("direction")
+    if direction not in DIRECTIONS:
+        raise ConfigError([f"direction={direction} is not allowed: use minimize or maximize "
+                           f"(for objective={config.get('objective')})"])
+    typed = [o.split("=", 1)[1] for o in config.hydra.overrides.hydra
+             if o.split("=", 1)[0].lstrip("+~") == "hydra.sweeper.direction"]
+    if typed and typed[-1] != direction:
+        raise ConfigError([f"hydra.sweeper.direction={typed[-1]} contradicts direction={direction}: "
+                           f"set direction={typed[-1]} alone (it reaches the sweeper)"])
+    with read_write(sweeper):
+        sweeper.direction = direction
+    log.info("sweeper direction: %s %s", direction, config.get("objective"))
+
+
+class SweepDirection(Callback):
+    """`set_sweeper_direction`, called by Hydra with the composed config before it builds the sweeper."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            set_sweeper_direction(config)
+        except ConfigError as error:
+            # Hydra turns a callback's exceptions into warnings and goes on: the sweep must not start.
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def _markdown(rows: list[dict], columns: list[str]) -> str:

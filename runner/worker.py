@@ -27,6 +27,7 @@ from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
+from runner.logs import apply_job_logging
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 
@@ -78,6 +79,8 @@ class StopRequest:
 def configure_logging(run_dir: Path, rank: int) -> None:
     """runner.log for rank 0, rank_<k>.log for the others; only rank 0 talks on the console below warnings."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if apply_job_logging(run_dir, rank):  # the job chose a hydra/job_logging of its own
+        return
     name = "runner.log" if rank == 0 else f"rank_{rank}.log"
     file_handler = logging.FileHandler(run_dir / name)
     file_handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))

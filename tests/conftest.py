@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from runner.config import register_configs, register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
+CONF_DIR = REPO / "runner" / "conf"
 
 # A run of a few milliseconds per step on one CPU process, small enough for dozens of runs per test file.
 TINY = (
@@ -32,7 +32,7 @@ TINY = (
     "data.batch_size=16",
     "data.num_features=8",
     "model.hidden=16",
-    "logger.flush_secs=1",
+    "logger.tensorboard.flush_secs=1",
 )
 
 # Variables that would make the runner think torchrun or SLURM started it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -131,3 +132,57 @@ def test_bad_input_exits_1_with_a_short_message(bad_runs: dict, name: str, overr
     assert expected in result.stderr, result.stderr
     assert len(result.stderr.splitlines()) <= 25, result.stderr
     assert files_under(run_dir) <= HYDRA_FILES, "nothing beyond Hydra's own files may be written"
+
+
+COMPLETE = """
+source "$1"
+for line in "python -m runner stra" "python -m runner strategy=" "python -m runner strategy=ddp trainer.dev"; do
+    COMP_LINE="$line"; read -r -a COMP_WORDS <<< "$line"; COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
+    COMP_POINT=${#line}; COMPREPLY=()
+    _runner_python_m_completion
+    echo "${COMPREPLY[*]}"
+done
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_completion_completes_python_m_runner(tmp_path: Path) -> None:
+    script = run_cli("-sc", "install=bash", cwd=tmp_path, timeout=60)
+    assert script.returncode == 0, script.stderr
+    (tmp_path / "complete.sh").write_text(script.stdout)
+    env = {**clean_environ(), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "-c", COMPLETE, "complete", str(tmp_path / "complete.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["strategy. strategy=", "strategy=auto strategy=ddp strategy=dp strategy=single",
+                                        "trainer.devices="]
+
+
+def test_the_runner_script_completes_and_imports_from_the_current_folder(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "runner"
+    query = subprocess.run([str(script), "-sc", "query=bash"], cwd=tmp_path,
+                           env={**clean_environ(), "COMP_LINE": "runner stra"}, capture_output=True, text=True,
+                           timeout=60)
+    assert query.stdout.split() == ["strategy.", "strategy="], query.stderr
+    (tmp_path / "mymodels.py").write_text("from runner.models import MLP\n\nclass Tiny(MLP):\n    pass\n")
+    run_dir = tmp_path / "run"
+    result = subprocess.run([str(script), "model._target_=mymodels.Tiny", "model.hidden=8", "trainer.max_steps=2",
+                             "data.num_samples=128", "data.val_samples=32", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            env=clean_environ(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "mymodels.Tiny" in (run_dir / ".hydra" / "resolved.yaml").read_text()
+
+
+@pytest.mark.parametrize("flag", [("--cfg", "job"), ("--help",)])
+def test_printing_flags_answer_within_0_6_s_of_cpu_time(tmp_path: Path, flag: tuple[str, ...]) -> None:
+    """CPU time (user + system) of the whole process, the best of three: what wall time is on an idle machine."""
+    import resource
+
+    best = float("inf")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result = run_cli(*flag, cwd=tmp_path, timeout=60)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert result.returncode == 0, result.stderr
+        best = min(best, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    assert best < 0.6, f"{' '.join(flag)} took {best:.2f} s of CPU time"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from runner.config import ConfigError, unique_dir
 from runner.data import train_loader
 from runner.instantiate import (build_data, build_logger, build_model, build_optimizer, build_scheduler,
                                 build_strategy, build_task, validate)
+from runner.loggers import NullLogger
 from runner.precision import Precision
 from runner.tasks import TaskModule
 from runner.strategies import Strategy
@@ -46,6 +48,9 @@ COMPANIONS = {
     ("task", "model"): ["experiment=hf_style"],
 }
 
+# Options that need a Hydra plugin (an optional extra), by the module it installs.
+NEEDS_PLUGIN = {("hparams_search", "optuna"): "hydra_plugins.hydra_optuna_sweeper"}
+
 # Options that read who started the processes from the environment: one process, rank 0.
 ENVIRONMENTS = {
     "torchelastic": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -58,7 +63,7 @@ ENVIRONMENTS = {
 def test_the_option_list_covers_every_group() -> None:
     groups = {group for group, _ in all_options()}
     assert {"strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "optimizer",
-            "scheduler", "logger", "task", "trainer", "experiment"} <= groups
+            "scheduler", "logger", "task", "trainer", "experiment", "hparams_search"} <= groups
     assert {"auto", "single", "dp", "ddp"} <= {o for g, o in all_options() if g == "strategy"}
 
 
@@ -75,8 +80,10 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
     for key, value in ENVIRONMENTS.get(option if group == "cluster" else "", {}).items():
         monkeypatch.setenv(key, value)
     # max_steps: the steps the schedulers decay over (the worker counts them; here they are given).
+    if (group, option) in NEEDS_PLUGIN and importlib.util.find_spec(NEEDS_PLUGIN[group, option]) is None:
+        pytest.skip(f"{group}={option} needs {NEEDS_PLUGIN[group, option]}")
     cfg = compose_config([f"{group}={option}", "trainer.max_steps=10", *COMPANIONS.get((group, option), [])])
-    if group != "experiment":  # experiments are `# @package _global_` presets: they have no node of their own
+    if group not in ("experiment", "hparams_search"):  # `# @package _global_` presets have no node of their own
         assert cfg[group] is not None
     if (group, option) in NEEDS_CUDA and not CUDA:
         with pytest.raises(ConfigError, match=NEEDS_CUDA[group, option]):
@@ -94,8 +101,13 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
         logger = build_logger(cfg, tmp_path, enabled=True)
         built = {"strategy": strategy, "model": model, "data": data, "task": task, "logger": logger,
                  "optimizer": optimizer, "scheduler": scheduler}
-        if group in built and not cfg[group].get("_partial_", False):
+        if group in built and group != "logger" and not cfg[group].get("_partial_", False):
             _assert_built_as_targeted(built[group], cfg[group])
+        if group == "logger":  # each option sits under its own name, logger.<option>; none is no logger at all
+            if option == "none":
+                assert isinstance(logger, NullLogger) and not cfg.logger
+            else:
+                _assert_built_as_targeted(logger, cfg.logger[option])
         assert isinstance(optimizer, torch.optim.Optimizer)
         assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
         # The pieces fit together: one batch of the data through the model and its task.
@@ -138,8 +150,8 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["precision=16-true"], "precision=16-true with optimizer eps=1e-08: float16 rounds it to 0"),
     (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),
     (["accelerator=cpu", "strategy=dp", "trainer.devices=2"], "needs accelerator=cuda for strategy=dp"),
-    (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread is not allowed"),
-    (["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0 must be a positive number"),
+    (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread must be one of popen, spawn, fork"),
+    (["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0.0 must be a positive number"),
     (["trainer.compile=fast"], "trainer.compile=fast must be true, false, or torch.compile's keyword arguments"),
     (["trainer.compile={modee:default}"], "got an unexpected keyword argument 'modee' (torch.compile takes"),
     (["strategy=dp", "trainer.compile=true"], "trainer.compile needs strategy=single or strategy=ddp"),
@@ -218,10 +230,15 @@ def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["+optimizer.lrr=0.1"], "optimizer (torch.optim.AdamW) does not accept its settings: got an unexpected"),
-        (["scheduler=step", "+scheduler.foo=1"], "scheduler (torch.optim.lr_scheduler.StepLR) does not accept"),
-        (["logger.flush_secs=0"], "logger (runner.loggers.TensorBoardLogger) does not accept its settings: "
-                                   "ValueError: flush_secs=0 must be a positive number of seconds"),
+        (["+optimizer.lrr=0.1"], "optimizer.lrr is not a setting of optimizer (torch.optim.AdamW) (did you mean lr?)"),
+        (["scheduler=step", "+scheduler.foo=1"], "scheduler.foo is not a setting of scheduler "
+                                                  "(torch.optim.lr_scheduler.StepLR); allowed: gamma, last_epoch"),
+        (["logger.tensorboard.flush_secs=0"], "logger.tensorboard (runner.loggers.TensorBoardLogger) does not "
+                                               "accept its settings: ValueError: flush_secs=0.0 must be a positive"),
+        (["logger=csv", "logger.csv.filename=a/b.csv"], "logger.csv (runner.loggers.CSVLogger) does not accept its "
+                                                         "settings: ValueError: filename='a/b.csv' must be a file"),
+        (["+logger.mine._target_=collections.OrderedDict"], "logger.mine._target_=collections.OrderedDict is not a "
+                                                            "logger (it lacks log_metrics, resume_at"),
         (["cluster=slurm"], "cluster=slurm but this process was not started by srun"),
         (["cluster=torchelastic"], "cluster=torchelastic but this process was not started by torchrun"),
     ],
@@ -238,5 +255,5 @@ def test_a_value_the_optimizer_refuses_is_a_config_error(tmp_path: Path) -> None
     import runner
 
     cfg = compose_config(["optimizer.lr=-1", "trainer.max_steps=2", "strategy=single"])
-    with pytest.raises(ConfigError, match="optimizer .torch.optim.AdamW. does not accept its settings: ValueError"):
+    with pytest.raises(ConfigError, match=r"optimizer \(torch.optim.AdamW\) does not accept its settings \(optimizer.lr=-1, .*\): ValueError"):
         runner.fit(cfg, run_dir=tmp_path)

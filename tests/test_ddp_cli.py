@@ -93,3 +93,54 @@ def test_torchrun_with_devices_auto_takes_the_processes_torchrun_started(tmp_pat
     assert_ok(result)
     assert_one_run_folder(run_dir)
     assert "x 2 process(es)" in (run_dir / "runner.log").read_text()
+
+
+def test_torchrun_leaves_no_temporary_folder_even_when_killed(tmp_path: Path) -> None:
+    """Ranks > 0 make no folder of their own, so not even SIGKILL can leave one behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _dist import clean_environ
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = clean_environ(TMPDIR=str(tmp))
+    assert_ok(torchrun([*TWO_CPU, *SHORT, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env))
+    run_dir = tmp_path / "killed"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m", "runner", *TWO_CPU, *SHORT, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"],
+                           cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "rank_1.log").exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert (run_dir / "rank_1.log").exists(), "the job never started training"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    assert not list(tmp.glob("runner-rank-*"))
+
+
+@pytest.mark.parametrize("sweep", [["-m", "optimizer.lr=0.1,0.01"], ["experiment=lr_sweep"]], ids=["-m", "preset"])
+def test_torchrun_refuses_a_sweep_with_a_message(tmp_path: Path, sweep: list[str]) -> None:
+    result = torchrun([*TWO_CPU, *SHORT, *sweep, f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "a sweep (-m) cannot run in processes torchrun started" in result.stderr
+    assert not list(tmp_path.glob("sweep/*/metrics.json")) and not (tmp_path / "outputs").exists()
+
+
+def test_workers_apply_the_jobs_hydra_job_logging(tmp_path: Path) -> None:
+    custom = tmp_path / "custom"
+    assert_ok(run_cli([*TWO_CPU, *SHORT, f"hydra.run.dir={custom}",
+                       "hydra.job_logging.formatters.simple.format='CUSTOM %(levelname)s %(message)s'"], cwd=tmp_path))
+    for log in ("runner.log", "rank_1.log"):  # rank 0's worker and rank 1 both format as the job says
+        lines = (custom / log).read_text().splitlines()
+        assert lines and all(line.startswith("CUSTOM ") for line in lines), (log, lines[:3])
+    assert any("config hash" in line for line in (custom / "rank_1.log").read_text().splitlines())
+    disabled = tmp_path / "disabled"
+    assert_ok(run_cli([*TWO_CPU, *SHORT, f"hydra.run.dir={disabled}", "hydra/job_logging=disabled"], cwd=tmp_path))
+    assert (disabled / "metrics.json").exists() and not list(disabled.glob("*.log"))

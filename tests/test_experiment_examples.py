@@ -12,12 +12,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
-# `experiments/` is example code run from the repository root, not an installed package.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from experiments.charlm import CharTransformer, StdlibText  # noqa: E402
-from experiments.digits import DigitsCNN, DigitsData  # noqa: E402
+from runner.examples.charlm import CharTransformer, StdlibText  # noqa: E402
+from runner.examples.digits import DigitsCNN, DigitsData  # noqa: E402
 from runner.data import Batch, collate  # noqa: E402
 
 SMALL_BYTES = 200_000
@@ -312,7 +309,7 @@ def test_digits_cnn_learns_digits(digits):
 
 @pytest.mark.parametrize("name", ["charlm", "digits"])
 def test_preset_nodes_are_constructor_arguments(name):
-    cfg = OmegaConf.load(REPO / "conf" / "experiment" / f"{name}.yaml")
+    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / f"{name}.yaml")
     assert {"override /model": None} in cfg.defaults and {"override /data": None} in cfg.defaults
     for node in ("model", "data"):
         module, _, attr = cfg[node]._target_.rpartition(".")
@@ -322,7 +319,7 @@ def test_preset_nodes_are_constructor_arguments(name):
 
 
 def test_charlm_preset_is_a_language_model_whose_shapes_agree():
-    cfg = OmegaConf.load(REPO / "conf" / "experiment" / "charlm.yaml")
+    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / "charlm.yaml")
     assert {"override /task": "language_model"} in cfg.defaults
     cfg.data.max_bytes = 20_000
     OmegaConf.resolve(cfg)
@@ -337,6 +334,6 @@ def test_charlm_preset_is_a_language_model_whose_shapes_agree():
 
 
 def test_digits_preset_keeps_the_default_task():
-    cfg = OmegaConf.load(REPO / "conf" / "experiment" / "digits.yaml")
+    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / "digits.yaml")
     assert not any("override /task" in entry for entry in cfg.defaults)
     assert cfg.model.num_classes == DigitsData.num_classes

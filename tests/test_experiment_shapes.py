@@ -1,7 +1,6 @@
 """Tests for the shapes example experiment: data, model, learnability and its Hydra preset."""
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-REPO = Path(__file__).resolve().parents[1]
-# `experiments/` is example code run from the repository root, not an installed package.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from runner.examples.shapes import ShapesData, SmallCNN
 
-from experiments.shapes import ShapesData, SmallCNN  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def small(**kwargs) -> ShapesData:
@@ -146,7 +142,7 @@ def write_primary_config(root: Path) -> None:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "experiment").mkdir()
-    shutil.copy(REPO / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
+    shutil.copy(REPO / "runner" / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
 
 
 def test_preset_replaces_model_and_data_and_builds(tmp_path):
@@ -154,8 +150,8 @@ def test_preset_replaces_model_and_data_and_builds(tmp_path):
     overrides = ["experiment=shapes", "data.num_samples=64", "data.val_samples=16"]
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    assert cfg.model._target_ == "experiments.shapes.SmallCNN"
-    assert cfg.data._target_ == "experiments.shapes.ShapesData"
+    assert cfg.model._target_ == "runner.examples.shapes.SmallCNN"
+    assert cfg.data._target_ == "runner.examples.shapes.ShapesData"
     assert not {"in_features", "hidden", "depth"} & set(cfg.model)
     assert "num_features" not in cfg.data
     assert cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.lr == 0.003

@@ -143,3 +143,85 @@ def test_a_sweep_with_other_values_in_the_same_folder_does_not_reuse_old_jobs(tm
     assert len(list((sweep / "0" / "tensorboard").glob("events.out.tfevents.*"))) == 1
     [row] = read_summary(sweep)
     assert "optimizer.lr=0.5" in row["overrides"] and float(row["lr"]) == 0.5
+
+
+def test_the_summary_names_the_best_job_by_objective_and_direction(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = runner("-m", "optimizer.lr=0.05,0.0001", "objective=val/acc", "direction=maximize",
+                    "trainer.max_steps=5", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = read_summary(sweep)
+    accuracies = {r["job"]: float(r["val/acc"]) for r in rows}
+    assert len(set(accuracies.values())) == 2, accuracies  # else any pick would look right
+    best = max(accuracies, key=accuracies.get)
+    assert [r["job"] for r in rows if r["best"] == "yes"] == [best]
+    first_line = (sweep / "summary.md").read_text().splitlines()[0]
+    assert first_line.startswith(f"Best job by val/acc (maximize): {best}, val/acc = ")
+
+
+@pytest.mark.parametrize(("direction", "pick"), [("minimize", "1"), ("maximize", "0")])
+def test_best_job_follows_the_direction_and_skips_failed_jobs(direction: str, pick: str) -> None:
+    from runner.sweep import best_job
+
+    rows = [{"job": "0", "status": "ok", "val/loss": 0.9}, {"job": "1", "status": "ok", "val/loss": 0.2},
+            {"job": "2", "status": "failed", "val/loss": 0.1}, {"job": "3", "status": "ok", "val/loss": float("nan")},
+            {"job": "4", "status": "ok"}]
+    assert best_job(rows, "val/loss", direction)["job"] == pick
+
+
+def _sweeper_config(direction: str, *hydra_overrides: str) -> "DictConfig":
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"objective": "val/acc", "direction": direction,
+                            "hydra": {"sweeper": {"direction": "minimize", "n_trials": 2},
+                                      "overrides": {"hydra": list(hydra_overrides)}}})
+    OmegaConf.set_readonly(cfg.hydra, True)  # as Hydra hands it over
+    return cfg
+
+
+def test_direction_reaches_a_sweeper_that_has_one(capsys: pytest.CaptureFixture) -> None:
+    from runner.config import ConfigError
+    from runner.sweep import SweepDirection, set_sweeper_direction
+
+    cfg = _sweeper_config("maximize")
+    SweepDirection().on_multirun_start(config=cfg)
+    assert cfg.hydra.sweeper.direction == "maximize"
+    with pytest.raises(ConfigError, match="hydra.sweeper.direction=minimize contradicts direction=maximize"):
+        set_sweeper_direction(_sweeper_config("maximize", "hydra.sweeper.direction=minimize"))
+    # Hydra makes a callback's exceptions warnings: the callback itself ends the process before the sweep.
+    with pytest.raises(SystemExit) as stopped:
+        SweepDirection().on_multirun_start(config=_sweeper_config("up"))
+    assert stopped.value.code == 1
+    assert "direction=up is not allowed: use minimize or maximize" in capsys.readouterr().err
+
+
+OPTUNA = pytest.mark.skipif(not installed("hydra_plugins.hydra_optuna_sweeper"),
+                            reason="needs the optuna extra (hydra-optuna-sweeper)")
+
+
+@OPTUNA
+def test_optuna_maximizes_when_direction_says_maximize(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    # A grid over two learning rates: each trial once, with different accuracies, so Optuna's pick shows its direction.
+    result = runner("hparams_search=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=2",
+                    "hydra.sweeper.params={optimizer.lr:'choice(0.05,0.0001)',model.hidden:'choice(16)'}",
+                    "trainer.max_steps=5",
+                    f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Directions: ['maximize']" in result.stdout + result.stderr
+    accuracies = {r["job"]: float(r["val/acc"]) for r in read_summary(sweep)}
+    assert len(accuracies) == 2 and len(set(accuracies.values())) == 2, accuracies
+    found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert found["best_value"] == pytest.approx(max(accuracies.values()))
+    best = max(accuracies, key=accuracies.get)
+    assert [r["job"] for r in read_summary(sweep) if r["best"] == "yes"] == [best]
+
+
+@OPTUNA
+def test_a_sweeper_direction_against_direction_is_refused(tmp_path: Path) -> None:
+    result = runner("hparams_search=optuna", "hydra.sweeper.direction=minimize", f"hydra.sweep.dir={tmp_path / 's'}",
+                    cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "hydra.sweeper.direction=minimize contradicts direction=maximize" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").glob("*/metrics.json"))

@@ -120,7 +120,14 @@ class DDPStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+        try:
+            return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+        except TypeError as error:  # a value of the wrong type for an argument typed only in C++
+            from runner.config import ConfigError
+
+            settings = ", ".join(f"strategy.{k}={v!r}" for k, v in self._ddp_kwargs.items())
+            message = " ".join(str(error).split("Invoked with")[0].split())
+            raise ConfigError([f"DistributedDataParallel does not accept {settings}: {message}"]) from None
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

@@ -1,0 +1,58 @@
+"""Worker logging under Hydra's `hydra/job_logging`: the job's choice, saved by the parent, applied by each worker.
+
+With Hydra's default choice the workers keep the runner's own set-up (runner.log and rank_<k>.log, each line
+tagged with its rank); any other choice or override of `hydra.job_logging` is applied in every worker as Hydra
+applies it in the job's process, except that a rank k > 0 writes rank_<k>.log instead of the file it names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.config
+from pathlib import Path
+from typing import Any, Optional
+
+JOB_LOGGING_FILE = Path(".hydra") / "job_logging.json"
+
+
+def chosen_job_logging(hydra_cfg: Any) -> Optional[dict]:
+    """The job's `hydra.job_logging`, resolved, when the user changed it; None for Hydra's default."""
+    from omegaconf import OmegaConf
+
+    choice = hydra_cfg.runtime.choices.get("hydra/job_logging")
+    touched = any(o.lstrip("+~").startswith(("hydra.job_logging", "hydra/job_logging"))
+                  for o in hydra_cfg.overrides.hydra)
+    if choice == "default" and not touched:
+        return None
+    return OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
+
+
+def save_job_logging(run_dir: Path, config: Optional[dict]) -> None:
+    """What the workers of this run apply (nothing: the runner's own set-up), replacing an earlier run's choice."""
+    path = run_dir / JOB_LOGGING_FILE
+    if config is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def apply_job_logging(run_dir: Path, rank: int) -> bool:
+    """Apply the job's saved `hydra/job_logging` in this worker; False when there is none to apply."""
+    path = run_dir / JOB_LOGGING_FILE
+    if not path.exists():
+        return False
+    config = json.loads(path.read_text())
+    if config.get("root") is None:  # hydra/job_logging=none: Hydra configures nothing, and neither does this
+        return True
+    if rank != 0:
+        for handler in config.get("handlers", {}).values():
+            if "filename" in handler:
+                handler["filename"] = str(Path(handler["filename"]).with_name(f"rank_{rank}.log"))
+    runner_log = logging.getLogger("runner")
+    for old in runner_log.handlers:
+        old.close()
+    runner_log.handlers, runner_log.propagate = [], True
+    logging.config.dictConfig(config)
+    return True

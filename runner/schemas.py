@@ -1,0 +1,115 @@
+"""Typed schemas of the runner's own config options, registered in Hydra's ConfigStore.
+
+Each option file names its schema first in its defaults list (`/runner_schema_<name>@_here_`, a name in SCHEMAS), so a
+value of the wrong type fails while Hydra composes, naming the key. A schema describes its class's
+constructor keys; keys added with `+` are checked against the constructor's signature before any worker
+starts (runner.instantiate), since Hydra adds them past any schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class Component:
+    """A class built without settings of its own (accelerators, cluster environments, ...)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class AutoStrategyConfig:
+    _target_: str = "runner.strategies.auto_strategy"
+    start_method: str = "popen"  # popen | spawn | fork
+
+
+@dataclass
+class DDPStrategyConfig:
+    """DDPStrategy's own keys, then the DistributedDataParallel arguments the option file sets."""
+
+    _target_: str = "runner.strategies.DDPStrategy"
+    process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
+    timeout: float = 1800  # seconds any collective may wait
+    start_method: str = "popen"  # popen | spawn | fork
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25
+    static_graph: bool = False
+
+
+@dataclass
+class MixedPrecisionConfig:
+    _target_: str = "runner.precision.MixedPrecision"
+    precision: str = MISSING  # 16-mixed | bf16-mixed
+    device: str = "auto"  # auto (the accelerator's device type), cpu or cuda
+
+
+@dataclass
+class HalfPrecisionConfig:
+    _target_: str = "runner.precision.HalfPrecision"
+    precision: str = MISSING  # 16-true | bf16-true
+
+
+@dataclass
+class ClassificationTaskConfig:
+    _target_: str = "runner.tasks.ClassificationTask"
+    top_k: List[int] = field(default_factory=lambda: [1])
+    label_smoothing: float = 0.0
+    target_key: str = "labels"
+
+
+@dataclass
+class LanguageModelTaskConfig:
+    _target_: str = "runner.tasks.LanguageModelTask"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    target_key: str = "labels"
+
+
+@dataclass
+class ModelTaskConfig:
+    _target_: str = "runner.tasks.ModelTask"
+    unit: str = "sample"
+    preds_key: str = "logits"
+    target_key: str = "labels"
+
+
+@dataclass
+class RegressionTaskConfig:
+    _target_: str = "runner.tasks.RegressionTask"
+    loss: str = "mse"  # mse | l1 | huber
+    huber_delta: float = 1.0
+    target_key: str = "labels"
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    _target_: str = "runner.loggers.TensorBoardLogger"
+    subdir: str = "tensorboard"
+    flush_secs: float = 30
+
+
+@dataclass
+class CSVLoggerConfig:
+    _target_: str = "runner.loggers.CSVLogger"
+    filename: str = "metrics.csv"
+
+
+# The name each schema is stored under (outside any group, so --help lists only the real options).
+SCHEMAS: dict[str, Any] = {
+    "component": Component,
+    "strategy_auto": AutoStrategyConfig,
+    "strategy_ddp": DDPStrategyConfig,
+    "precision_mixed": MixedPrecisionConfig,
+    "precision_half": HalfPrecisionConfig,
+    "task_classification": ClassificationTaskConfig,
+    "task_language_model": LanguageModelTaskConfig,
+    "task_model": ModelTaskConfig,
+    "task_regression": RegressionTaskConfig,
+    "logger_tensorboard": TensorBoardLoggerConfig,
+    "logger_csv": CSVLoggerConfig,
+}

@@ -1,0 +1,121 @@
+"""A config node's keys against its `_target_`'s signature: unknown keys, and values of the wrong simple type.
+
+Binding, not building: it costs microseconds and imports nothing beyond the target's module. Hydra's `+key`
+adds keys past any schema, so this is what finds `+strategy.timeot=5` or `+model.widht=8`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import typing
+from typing import Any, Iterator, Optional
+
+from hydra.utils import get_method
+from omegaconf import OmegaConf
+
+_EMPTY = inspect.Parameter.empty
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def parameters(target: Any) -> Optional[dict[str, inspect.Parameter]]:
+    """The target's parameters with evaluated annotations where they evaluate; None without a signature."""
+    try:
+        signature = inspect.signature(target, eval_str=True)
+    except (NameError, TypeError, SyntaxError, AttributeError):  # an annotation only a type checker sees
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            return None
+    except ValueError:  # a builtin without a signature
+        return None
+    return dict(signature.parameters)
+
+
+def suggest(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, ...] = (),
+                   kwargs_target: Any = None, kwargs_skip: tuple[str, ...] = ()) -> Iterator[str]:
+    """Problems of the settings at `key` (a node with `_target_`) as arguments of that target.
+
+    `leading`: positional arguments the runner passes first (an optimizer's parameters); `injected`: keyword
+    arguments it passes itself. A target taking `**kwargs` accepts any other key, unless `kwargs_target` says
+    where they go (DDPStrategy's go to DistributedDataParallel, less `kwargs_skip`).
+    """
+    params = parameters(get_method(node._target_))
+    if params is None:
+        return
+    named = [p for p in params.values() if p.kind in _NAMED][leading:]
+    allowed = {p.name: p for p in named if p.name not in injected}
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if takes_kwargs and kwargs_target is not None:
+        forwarded = parameters(kwargs_target) or {}
+        allowed.update({n: p for n, p in forwarded.items()
+                        if p.kind in _NAMED and n not in ("self", *kwargs_skip) and n not in allowed})
+        takes_kwargs = False
+    settings = [k for k in node if not str(k).startswith("_")]
+    for name in settings:
+        if name not in allowed:
+            if not takes_kwargs:
+                names = sorted(allowed)
+                yield (f"{key}.{name} is not a setting of {key} ({node._target_}){suggest(str(name), names)}; "
+                       f"allowed: {', '.join(names) if names else 'none'}")
+            continue
+        problem = _type_problem(allowed[name], node[name])
+        if problem:
+            yield f"{key}.{name}={_show(node[name])} {problem} ({node._target_})"
+
+
+def _show(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _type_problem(param: inspect.Parameter, value: Any) -> Optional[str]:
+    """What is wrong with `value` for a parameter annotated (or defaulting to) bool, int, float, str or Literal."""
+    expected = param.annotation if param.annotation is not _EMPTY else None
+    if expected is None and isinstance(param.default, bool):  # an int default may still take a float
+        expected = bool
+    if expected is None or isinstance(expected, str):
+        return None
+    options = _options(expected)
+    if options is None:
+        return None
+    if value is None:
+        return None if (type(None) in options or param.default is None) else "must not be null"
+    if any(_fits(value, option) for option in options):
+        return None
+    return f"must be {' or '.join(_name(o) for o in options if o is not type(None))}"
+
+
+def _options(annotation: Any) -> Optional[list[Any]]:
+    """The checkable alternatives of an annotation, or None when any part of it is beyond these checks."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+        parts = [_options(a) for a in typing.get_args(annotation)]
+        return None if any(p is None for p in parts) else [o for p in parts for o in p]
+    if origin is typing.Literal:
+        return [("literal", typing.get_args(annotation))]
+    if annotation in (bool, int, float, str, type(None)):
+        return [annotation]
+    return None
+
+
+def _fits(value: Any, option: Any) -> bool:
+    if isinstance(option, tuple):
+        return value in option[1]
+    if option is bool:
+        return isinstance(value, bool)
+    if option is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if option is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, option)
+
+
+def _name(option: Any) -> str:
+    if isinstance(option, tuple):
+        return "one of " + ", ".join(map(str, option[1]))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[option]
