@@ -145,7 +145,7 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["data.batch_size=0"], "data.batch_size=0 must be a positive integer"),
     (["model._target_=nope.Model"], "model._target_=nope.Model cannot be imported"),
     (["optimizer._target_=torch.optim.Nope"], "optimizer._target_=torch.optim.Nope cannot be imported"),
-    (["scheduler=warmup_cosine", "+scheduler.warmup=5"], "scheduler (runner.schedulers.warmup_cosine) does not accept"),
+    (["scheduler=warmup_cosine", "+scheduler.warmup=5"], "scheduler.warmup is not a setting of scheduler (runner.schedulers.warmup_cosine) (did you mean warmup_steps?)"),
     (["accelerator=cpu", "precision=16-mixed"], "precision=16-mixed needs accelerator=cuda"),
     (["precision=16-true"], "precision=16-true with optimizer eps=1e-08: float16 rounds it to 0"),
     (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),
