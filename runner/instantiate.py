@@ -357,9 +357,11 @@ def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no training here
-            scheduler = instantiate(cfg.scheduler)(optimizer)
+            scheduler = build_scheduler(cfg, optimizer)
             for _ in range(2):
                 scheduler.step()
+    except ConfigError as error:
+        yield from error.problems
     except _REFUSALS as error:
         yield (f"scheduler ({cfg.scheduler._target_}) fails on its first steps with "
                f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
