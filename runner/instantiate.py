@@ -387,9 +387,11 @@ def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no training here
             # A schedule over the run's steps gets a stand-in count; the worker passes the real one.
-            scheduler = instantiate(cfg.scheduler)(optimizer, **_scheduler_extra(cfg, max(cfg.trainer.max_steps, 2)))
+            scheduler = build_scheduler(cfg, optimizer, total_steps=max(cfg.trainer.max_steps, 2))
             for _ in range(2):
                 scheduler.step()
+    except ConfigError as error:
+        yield from error.problems
     except _REFUSALS as error:
         yield (f"scheduler ({cfg.scheduler._target_}) fails on its first steps with "
                f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")

@@ -175,9 +175,16 @@ def test_the_runner_script_completes_and_imports_from_the_current_folder(tmp_pat
 
 @pytest.mark.parametrize("flag", [("--cfg", "job"), ("--help",)])
 def test_printing_flags_answer_within_0_6_s_of_cpu_time(tmp_path: Path, flag: tuple[str, ...]) -> None:
-    """CPU time (user + system) of the whole process, the best of three: what wall time is on an idle machine."""
+    """CPU time (user + system) of the whole process, the best of three: what wall time is on an idle machine.
+
+    On a machine busy with other work, CPU time inflates too (shared caches, a virtual CPU's stolen time):
+    the measure says nothing there, and the test is skipped.
+    """
     import resource
 
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        pytest.skip(f"the machine is busy (load {load:.1f} on {os.cpu_count()} cores): CPU times inflate")
     best = float("inf")
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)

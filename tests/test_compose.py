@@ -37,7 +37,7 @@ def test_config_dir_adds_options_and_keeps_every_built_in_one(user_conf: Path) -
     assert cfg.model.hidden == 4 and cfg.strategy._target_ == "runner.strategies.DDPStrategy"
     # The built-in primary config and options stay: a user's folder adds, it never replaces or hides.
     default = runner.compose([], config_dir=user_conf)
-    assert default.model.hidden == 128 and default.trainer.max_epochs == 5
+    assert default.model.hidden == 128 and default.trainer.max_epochs is None  # the built-in default
 
 
 def test_a_missing_config_dir_is_a_config_error(tmp_path: Path) -> None:
