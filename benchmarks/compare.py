@@ -15,12 +15,14 @@ script's `loop_start` file). Peak memory is each process's max RSS (benchmarks/r
     python benchmarks/compare.py --suite step --procs 2 --pairs 3
     python benchmarks/compare.py --accelerator cuda    # the same work on GPUs
     python benchmarks/compare.py --suite versions --procs 2 --snapshots /tmp/snap-a /tmp/snap-b  # code A/B
+    python benchmarks/compare.py --suite lm --procs 1 2 --pairs 3 --steps 10 100 --log-every 25  # experiment=charlm
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -38,7 +40,11 @@ PY = sys.executable
 # The benchmark's job, as runner overrides (the hand-written script's defaults are the same values).
 JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_classes=10", "data.batch_size=64",
        "optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9"]
-SUITES = ("cli", "step", "logging", "ckpt", "compile", "versions")
+# The `lm` suite's job: the charlm example as it is configured (runner/conf/experiment/charlm.yaml), against
+# benchmarks/handwritten_lm.py, whose defaults are the same values.
+LM_JOB = ["experiment=charlm"]
+LM_BATCH, LM_BLOCK, LM_MAX_BYTES, LM_VAL_FRACTION = 32, 128, 2_000_000, 0.05
+SUITES = ("cli", "step", "logging", "ckpt", "compile", "versions", "lm")
 
 Command = Callable[[int, Path], list[str]]  # (steps, run folder) -> argv
 SuiteResult = tuple[str, dict]  # (markdown table, raw numbers)
@@ -56,7 +62,8 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=SUITES, nargs="+", default=list(SUITES))
+    # `lm` only when asked for: its steps take 0.3-0.8 s on 2 CPU cores, so it needs its own --steps.
+    p.add_argument("--suite", choices=SUITES, nargs="+", default=[s for s in SUITES if s != "lm"])
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts for the step suite")
     p.add_argument("--pairs", type=int, default=5, help="A/B pairs per comparison")
@@ -87,6 +94,29 @@ def runner_cmd(args: argparse.Namespace, procs: int, *extra: str, log_every: int
             f"trainer.devices={procs}", f"trainer.log_every_n_steps={log_every or args.log_every}", *extra]
     return lambda steps, out: [*base, f"trainer.max_steps={steps}",
                                f"data.num_samples={num_samples(max(args.steps), procs)}", f"hydra.run.dir={out}"]
+
+
+def lm_max_bytes(steps: int, procs: int) -> int:
+    """The experiment's 2 MB of text, or more when the longest run would otherwise start a second epoch."""
+    needed = steps * LM_BATCH * procs * LM_BLOCK + 1  # the training bytes of `steps` global batches
+    return max(LM_MAX_BYTES, math.ceil(needed / (1 - LM_VAL_FRACTION)) + LM_BLOCK)
+
+
+def lm_runner_cmd(args: argparse.Namespace, procs: int) -> Command:
+    """`python -m runner experiment=charlm ...`: validation only at the end (as the hand-written loop does it)."""
+    strategy = "ddp" if procs > 1 else "single"
+    base = [PY, "-m", "runner", *LM_JOB, f"accelerator={args.accelerator}", f"strategy={strategy}",
+            f"trainer.devices={procs}", f"trainer.log_every_n_steps={args.log_every}",
+            f"trainer.val_check_interval={max(args.steps) + 1}",
+            f"data.max_bytes={lm_max_bytes(max(args.steps), procs)}"]
+    return lambda steps, out: [*base, f"trainer.max_steps={steps}", f"hydra.run.dir={out}"]
+
+
+def lm_handwritten_cmd(args: argparse.Namespace, procs: int) -> Command:
+    launch = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 else [PY]
+    base = [*launch, str(HERE / "handwritten_lm.py"), "--accelerator", args.accelerator, "--log-every",
+            str(args.log_every), "--max-bytes", str(lm_max_bytes(max(args.steps), procs))]
+    return lambda steps, out: [*base, "--steps", str(steps), "--out", str(out)]
 
 
 def handwritten_cmd(args: argparse.Namespace, procs: int, log_every: int | None = None) -> Command:
@@ -225,10 +255,21 @@ def suite_cli(args: argparse.Namespace) -> SuiteResult:
 
 def suite_step(args: argparse.Namespace) -> SuiteResult:
     """The runner against the hand-written loop, per process count."""
+    return runner_vs_hand(args, "step", runner_cmd, handwritten_cmd)
+
+
+def suite_lm(args: argparse.Namespace) -> SuiteResult:
+    """`experiment=charlm` (task=language_model) against benchmarks/handwritten_lm.py, per process count."""
+    return runner_vs_hand(args, "lm", lm_runner_cmd, lm_handwritten_cmd)
+
+
+def runner_vs_hand(args: argparse.Namespace, suite: str, runner: Callable[[argparse.Namespace, int], Command],
+                   hand: Callable[[argparse.Namespace, int], Command]) -> SuiteResult:
+    """Per process count: per-step time, start-up, fixed cost and memory of the runner and the hand-written loop."""
     rows, data = [], {}
     for procs in args.procs:
-        print(f"step suite: {procs} process(es)", flush=True)
-        raw = ab_pairs({"runner": runner_cmd(args, procs), "handwritten": handwritten_cmd(args, procs)}, args)
+        print(f"{suite} suite: {procs} process(es)", flush=True)
+        raw = ab_pairs({"runner": runner(args, procs), "handwritten": hand(args, procs)}, args)
         r, h = (per_pair(raw[name], args) for name in ("runner", "handwritten"))
         data[f"{procs} process(es)"] = {"runner": r, "handwritten": h}
         rows.append(
@@ -354,7 +395,7 @@ def main() -> None:
     if max(args.steps) % args.log_every or min(args.steps) >= max(args.steps):
         sys.exit(f"--steps N1 N2 needs N1 < N2 and N2 a multiple of --log-every={args.log_every}")
     suites = {"cli": suite_cli, "step": suite_step, "logging": suite_logging, "ckpt": suite_ckpt,
-              "compile": suite_compile, "versions": suite_versions}
+              "compile": suite_compile, "versions": suite_versions, "lm": suite_lm}
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}; OMP_NUM_THREADS={args.threads}; "
           f"steps N1={args.steps[0]} N2={args.steps[1]}; {args.pairs} pairs; accelerator={args.accelerator}",
           flush=True)
