@@ -436,7 +436,18 @@ def _check_loggers(cfg: DictConfig) -> Iterator[str]:
 
 def _check_callbacks(cfg: DictConfig) -> Iterator[str]:
     from runner.callbacks import HOOKS
+    from runner.signatures import check_settings
 
+    node = cfg.get("callbacks")
+    if OmegaConf.is_dict(node):  # each callback's keys against its class, naming the allowed ones
+        filled = {"monitor": cfg.get("objective", "val/loss"),
+                  "mode": "max" if cfg.get("direction") == "maximize" else "min"}
+        keyed = [p for name, spec in node.items() if OmegaConf.is_dict(spec) and "_target_" in spec
+                 for p in check_settings(f"callbacks.{name}", OmegaConf.merge(spec, {
+                     k: v for k, v in filled.items() if k in spec and spec[k] is None}))]
+        if keyed:
+            yield from keyed
+            return
     try:
         callbacks = build_callbacks(cfg)
     except ConfigError as error:

@@ -127,10 +127,15 @@ def test_a_monitor_nobody_logs_is_refused_at_the_first_validation(make_cfg: Make
      r"callbacks\.model_checkpoint\.save_top_k=-2 is not allowed: use -1 \(keep all\)"),
     (("callbacks=early_stopping", "callbacks.early_stopping.patience=0"),
      r"callbacks\.early_stopping\.patience=0 must be a positive number"),
-    (("callbacks=early_stopping", "callbacks.early_stopping.mode=up"), r"callbacks\.early_stopping\.mode='up'"),
+    (("callbacks=early_stopping", "callbacks.early_stopping.mode=up"),
+     r"callbacks\.early_stopping\.mode=up must be one of min, max"),
     (("callbacks=early_stopping", "trainer.limit_val_batches=0"), None),
     (("+callbacks.odd._target_=runner.models.MLP",), r"callbacks\.odd \(MLP\) has none of the hooks"),
     (("trainer.keep_last_k=0",), r"trainer\.keep_last_k=0 must be a positive integer"),
+    (("callbacks=early_stopping", "+callbacks.early_stopping.patiense=3"),
+     r"callbacks\.early_stopping\.patiense is not a setting of callbacks\.early_stopping .*did you mean patience.*"
+     r"allowed: min_delta, mode, monitor, patience"),
+    (("callbacks=early_stopping", "callbacks.early_stopping.patience=many"), r"callbacks\.early_stopping\.patience=many"),
 ])
 def test_bad_callback_settings_are_refused_with_one_message(make_cfg: MakeCfg, tmp_path: Path, overrides: tuple,
                                                             message: str) -> None:
