@@ -67,7 +67,7 @@ def lm_config(procs: int):
     register_resolvers()
     register_configs()
     strategy = "ddp" if procs > 1 else "single"
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "runner" / "conf"), version_base="1.3"):
         return compose("config", overrides=["experiment=charlm", "accelerator=cpu", f"strategy={strategy}",
                                             f"trainer.devices={procs}", "trainer.log_every_n_steps=50"])
 
