@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: runner/
 from runner.examples.charlm import CharTransformer, StdlibText  # noqa: E402
+
+# The process set-up and the checkpoint write are handwritten.py's (this script's folder is on sys.path).
+from handwritten import save, setup_process  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,18 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def setup_process(args: argparse.Namespace) -> tuple[int, int, torch.device]:
-    """Join the process group when torchrun started us; returns (rank, world size, device)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if args.accelerator == "cuda" else torch.device("cpu")
-    if args.accelerator == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if args.accelerator == "cuda" else "gloo")
-    return rank, world, device
 
 
 def keep_batch(batch):
@@ -110,12 +100,6 @@ def validate(model: torch.nn.Module, loader: DataLoader, args: argparse.Namespac
     model.train()
     loss, tokens = all_sum(sums, world)
     return loss / max(tokens, 1.0)
-
-
-def save(state: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 class TrainMeter:

@@ -242,12 +242,8 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
     return rows
 
 
-def step_one(args: argparse.Namespace, cfg) -> list[str]:
-    from runner.strategies import SingleDeviceStrategy
-
-    loop, loader = runner_loop(cfg, SingleDeviceStrategy())
-    hand = hand_step(cfg, 1)
-    data = batches(loader, 8)
+def step_variants(label: str, hand: Callable[[tuple], None], loop, data: list) -> dict[str, Callable[[], None]]:
+    """The hand-written step and the runner's, each walking its own cursor over the same batches."""
     cursor = {"hand": 0, "runner": 0}
 
     def feed(name: str, run: Callable[[tuple], None]) -> Callable[[], None]:
@@ -256,8 +252,16 @@ def step_one(args: argparse.Namespace, cfg) -> list[str]:
             cursor[name] += 1
         return call
 
-    variants = {"step, 1 process: hand-written": feed("hand", hand),
-                "step, 1 process: runner Loop._train_step": feed("runner", lambda b: loop._train_step([b]))}
+    return {f"step, {label}: hand-written": feed("hand", hand),
+            f"step, {label}: runner Loop._train_step": feed("runner", lambda b: loop._train_step([b]))}
+
+
+def step_one(args: argparse.Namespace, cfg) -> list[str]:
+    from runner.strategies import SingleDeviceStrategy
+
+    loop, loader = runner_loop(cfg, SingleDeviceStrategy())
+    hand = hand_step(cfg, 1)
+    variants = step_variants("1 process", hand, loop, batches(loader, 8))
     times = alternate(variants, args.rounds, args.steps, {"CPU": time.thread_time, "wall": time.perf_counter})
     return summary(times["CPU"], 1e3, "thread CPU, ms") + summary(times["wall"], 1e3, "wall, ms")
 
@@ -273,17 +277,7 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     strategy.setup_environment()
     loop, loader = runner_loop(cfg, strategy)
     hand = hand_step(cfg, 2)
-    data = batches(loader, 8)
-    cursor = {"hand": 0, "runner": 0}
-
-    def feed(name: str, run: Callable[[tuple], None]) -> Callable[[], None]:
-        def call() -> None:
-            run(data[cursor[name] % len(data)])
-            cursor[name] += 1
-        return call
-
-    variants = {"step, 2 DDP processes: hand-written": feed("hand", hand),
-                "step, 2 DDP processes: runner Loop._train_step": feed("runner", lambda b: loop._train_step([b]))}
+    variants = step_variants("2 DDP processes", hand, loop, batches(loader, 8))
     times = alternate(variants, args.rounds, args.steps, {"CPU": time.thread_time, "wall": time.perf_counter},
                       sync=dist.barrier)
     if rank == 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -33,6 +33,14 @@ class TensorPairDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> Batch:
         index = torch.as_tensor(indices)
         return Batch((self.inputs[index], self.targets[index]))
+
+
+def _teacher(num_features: int, outputs: int, generator: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A fixed random two-layer network (tanh, 4x wide) that labels the synthetic data sets."""
+    hidden = 4 * num_features
+    w1 = torch.randn(num_features, hidden, generator=generator) / math.sqrt(num_features)
+    w2 = torch.randn(hidden, outputs, generator=generator) / math.sqrt(hidden)
+    return lambda x: torch.tanh(x @ w1) @ w2
 
 
 class InputsDataset(Dataset):
@@ -73,14 +81,11 @@ class SyntheticClassification:
             raise ValueError(f"data.num_classes={num_classes} must be at least 2")
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         generator = torch.Generator().manual_seed(seed)
-        hidden = 4 * num_features
-        w1 = torch.randn(num_features, hidden, generator=generator) / math.sqrt(num_features)
-        w2 = torch.randn(hidden, num_classes, generator=generator) / math.sqrt(hidden)
+        teacher = _teacher(num_features, num_classes, generator)
 
         def make(n: int) -> TensorPairDataset:
             x = torch.randn(n, num_features, generator=generator)
-            y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
-            return TensorPairDataset(x, y)
+            return TensorPairDataset(x, teacher(x).argmax(dim=1))
 
         self.train_dataset = make(num_samples)
         self.val_dataset = make(val_samples)
@@ -112,13 +117,11 @@ class SyntheticRegression:
             raise ValueError(f"data.noise={noise} must be >= 0")
         self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
         generator = torch.Generator().manual_seed(seed)
-        w1 = torch.randn(num_features, 4 * num_features, generator=generator) / math.sqrt(num_features)
-        w2 = torch.randn(4 * num_features, num_outputs, generator=generator) / math.sqrt(4 * num_features)
+        teacher = _teacher(num_features, num_outputs, generator)
 
         def make(n: int) -> TensorPairDataset:
             x = torch.randn(n, num_features, generator=generator)
-            y = torch.tanh(x @ w1) @ w2 + noise * torch.randn(n, num_outputs, generator=generator)
-            return TensorPairDataset(x, y)
+            return TensorPairDataset(x, teacher(x) + noise * torch.randn(n, num_outputs, generator=generator))
 
         self.train_dataset = make(num_samples)
         self.val_dataset = make(val_samples)

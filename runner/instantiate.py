@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import ConfigError, check_static
+from runner.config import ConfigError, _is_int, check_static
 from runner.signatures import check_settings
 
 
@@ -160,6 +160,13 @@ def metric_specs(cfg: DictConfig) -> dict[str, tuple[DictConfig, tuple[str, ...]
     return specs
 
 
+def _monitor_defaults(cfg: DictConfig, spec: DictConfig) -> dict:
+    """An unset `monitor`/`mode` of a callback follows the run's `objective`/`direction`."""
+    defaults = {"monitor": cfg.get("objective", "val/loss"),
+                "mode": "max" if cfg.get("direction") == "maximize" else "min"}
+    return {key: value for key, value in defaults.items() if key in spec and spec[key] is None}
+
+
 def build_callbacks(cfg: DictConfig) -> Any:
     """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
     from runner.callbacks import Callbacks
@@ -175,10 +182,7 @@ def build_callbacks(cfg: DictConfig) -> Any:
         if not OmegaConf.is_dict(spec) or "_target_" not in spec:
             raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
                                "group, or +callbacks.<name>._target_=<class>)"])
-        defaults = {"monitor": cfg.get("objective", "val/loss"),
-                    "mode": "max" if cfg.get("direction") == "maximize" else "min"}
-        fill = {key: value for key, value in defaults.items() if key in spec and spec[key] is None}
-        built[str(name)] = instantiate(spec, **fill)
+        built[str(name)] = instantiate(spec, **_monitor_defaults(cfg, spec))
     return Callbacks(built)
 
 
@@ -440,11 +444,8 @@ def _check_callbacks(cfg: DictConfig) -> Iterator[str]:
 
     node = cfg.get("callbacks")
     if OmegaConf.is_dict(node):  # each callback's keys against its class, naming the allowed ones
-        filled = {"monitor": cfg.get("objective", "val/loss"),
-                  "mode": "max" if cfg.get("direction") == "maximize" else "min"}
         keyed = [p for name, spec in node.items() if OmegaConf.is_dict(spec) and "_target_" in spec
-                 for p in check_settings(f"callbacks.{name}", OmegaConf.merge(spec, {
-                     k: v for k, v in filled.items() if k in spec and spec[k] is None}))]
+                 for p in check_settings(f"callbacks.{name}", OmegaConf.merge(spec, _monitor_defaults(cfg, spec)))]
         if keyed:
             yield from keyed
             return
@@ -467,10 +468,6 @@ def _check_top_k(cfg: DictConfig) -> Iterator[str]:
     top_k, classes = cfg.task.get("top_k"), cfg.data.get("num_classes") if OmegaConf.is_dict(cfg.data) else None
     if OmegaConf.is_list(top_k) and _is_int(classes) and any(_is_int(k) and k > classes for k in top_k):
         yield f"task.top_k={list(top_k)} asks for more than data.num_classes={classes} classes"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_metrics(cfg: DictConfig) -> Iterator[str]:

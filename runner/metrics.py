@@ -7,6 +7,7 @@ Both are exact with any number of processes, because validation gives each sampl
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional
@@ -141,13 +142,10 @@ class MetricSet:
     def __init__(self, metrics: Mapping[str, tuple[Any, tuple[str, ...]]], strategy: Any) -> None:
         self.by_stage: dict[str, dict[str, Any]] = {stage: {} for stage in STAGES}
         for name, (metric, stages) in metrics.items():
-            if isinstance(metric, SumMetric):
-                metric.reduce = lambda tensor: strategy.all_reduce(tensor, reduce_op="sum")
-            if isinstance(metric, nn.Module):
-                metric.to(strategy.root_device)
             for stage in stages:
                 # A metric logged in both stages keeps one state per stage.
-                self.by_stage[stage][name] = metric if stage == stages[0] else _copy(metric, strategy)
+                self.by_stage[stage][name] = _placed(metric if stage == stages[0] else copy.deepcopy(metric),
+                                                     strategy)
 
     def wants(self, stage: str) -> bool:
         return bool(self.by_stage[stage])
@@ -165,13 +163,13 @@ class MetricSet:
         return values
 
 
-def _copy(metric: Any, strategy: Any) -> Any:
-    import copy
-
-    twin = copy.deepcopy(metric)
-    if isinstance(twin, SumMetric):
-        twin.reduce = lambda tensor: strategy.all_reduce(tensor, reduce_op="sum")
-    return twin
+def _placed(metric: Any, strategy: Any) -> Any:
+    """The metric on the strategy's device, a sum metric reducing through the strategy."""
+    if isinstance(metric, SumMetric):
+        metric.reduce = lambda tensor: strategy.all_reduce(tensor, reduce_op="sum")
+    if isinstance(metric, nn.Module):
+        metric.to(strategy.root_device)
+    return metric
 
 
 def _scalar_values(key: str, value: Any) -> dict[str, float]:
