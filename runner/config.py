@@ -4,6 +4,7 @@ worker starts."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -190,7 +191,9 @@ def make_unique_dir(path: str) -> str:
 
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("unique_dir"):
-        OmegaConf.register_new_resolver("unique_dir", unique_dir)
+        # Cached: Hydra copies the cache into each sweep job's config, so a job run elsewhere (a launcher
+        # plugin's process) gets the sweep's folder instead of making another.
+        OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True)
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -290,8 +293,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield "trainer.max_epochs=-1 and trainer.max_steps=-1 would train forever: set one of them"
     if not (_is_int(t.max_restarts) and t.max_restarts >= 0):
         yield f"trainer.max_restarts={t.max_restarts} must be 0 (no restarts) or a positive integer"
-    if t.gradient_clip_val is not None and t.gradient_clip_val <= 0:
-        yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be positive, or null for no clipping"
+    if t.gradient_clip_val is not None and not 0 < t.gradient_clip_val < math.inf:  # NaN fails both
+        yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be a positive number, or null for no clipping"
     if t.keep_last_k is not None and t.keep_last_k < 1:
         yield f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every step-N.ckpt"
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:

@@ -102,6 +102,29 @@ def _external(strategy: Any) -> bool:
     return bool(environment is not None and environment.creates_processes_externally)
 
 
+def check_writable(cfg: DictConfig, run_dir: Path) -> None:
+    """The run folder, checkpoints/ and the built-in loggers' folders can take files: found before the workers
+    start, not at the first log step or checkpoint. Nothing is created here."""
+    from runner.instantiate import logger_specs
+
+    folders = [run_dir, run_dir / "checkpoints"]
+    for spec in logger_specs(cfg).values():
+        root = Path(spec.get("root_dir") or run_dir)
+        if spec.get("_target_") == "runner.loggers.TensorBoardLogger":
+            folders.append(root / spec.get("subdir", "tensorboard"))
+        elif spec.get("_target_") == "runner.loggers.CSVLogger":
+            folders.append(root)
+    problems = []
+    for folder in dict.fromkeys(folders):
+        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+        if not existing.is_dir():
+            problems.append(f"cannot write in {folder}: {existing} is a file, not a folder")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"cannot write in {folder}: {existing} is not writable by this user")
+    if problems:
+        raise ConfigError(problems)
+
+
 def default_run_dir() -> Path:
     """A new folder per call (fit() from Python may run several jobs within one second)."""
     return Path(make_unique_dir(time.strftime("outputs/%Y-%m-%d/%H-%M-%S")))
@@ -121,6 +144,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
                     "(trainer.ckpt_path=last continues it instead)", run_dir)
     validate(cfg, ckpt_path)
+    check_writable(cfg, run_dir)
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and strategy.global_rank != 0:

@@ -90,7 +90,10 @@ class EventFile:
 
         self._event = Event
         os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_numbers)}"
+        # TensorBoard reads a folder's files in name order: this one must come after any earlier run's, even one
+        # started in the same second by a process with a larger pid (its purge applies to what it reads before).
+        stamp = max([int(time.time()), *(_stamp(name) + 1 for name in os.listdir(log_dir))])
+        name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_numbers)}"
         self.path = os.path.join(log_dir, name)
         self._file = open(self.path, "wb")  # noqa: SIM115 - open for the life of the run, closed by close()
         self.write(Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -120,6 +123,16 @@ class EventFile:
         self._file.close()
 
 
+def _stamp(name: str) -> int:
+    """The seconds in an event file's name (-1 for other files)."""
+    parts = name.split(".")
+    return int(parts[3]) if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit() else -1
+
+
+def _has_events(log_dir: str) -> bool:
+    return os.path.isdir(log_dir) and any(name.startswith("events.out.tfevents.") for name in os.listdir(log_dir))
+
+
 def _hparam_value(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) else str(value)
 
@@ -144,6 +157,10 @@ class TensorBoardLogger:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             self._summary = Summary
+            if self._purge_step is None and _has_events(self.log_dir):
+                # A fresh start in a folder an earlier attempt wrote (a restart before its first checkpoint, a
+                # re-run): TensorBoard drops the old events, or each step would appear twice.
+                self._purge_step = 0
             self._events = EventFile(self.log_dir, self.flush_secs, self._purge_step)
         return self._events
 

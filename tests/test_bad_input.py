@@ -49,7 +49,10 @@ BAD_INPUT = [
     ("fractional-seed", ["trainer.seed=1.5"], "trainer.seed=1.5"),
     ("zero-log-every", ["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0 must be a positive integer"),
     ("zero-accumulate", ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be"),
-    ("negative-clip", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1.0 must be positive"),
+    ("negative-clip", ["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1.0 must be a positive number"),
+    ("nan-clip", ["trainer.gradient_clip_val=nan"], "trainer.gradient_clip_val=nan must be a positive number"),
+    ("tensorboard-folder-is-a-file", ["logger.tensorboard.subdir={tmp}/taken/tensorboard"],
+     "cannot write in {tmp}/taken/tensorboard: {tmp}/taken/tensorboard is a file"),
     ("limit-above-one", ["trainer.limit_train_batches=1.5"], "trainer.limit_train_batches=1.5 is not allowed"),
     ("zero-val-interval", ["trainer.val_check_interval=0.0"], "trainer.val_check_interval=0.0 is not allowed"),
     ("negative-fast-dev-run", ["trainer.fast_dev_run=-1"], "trainer.fast_dev_run=-1 must be true, false"),
@@ -120,6 +123,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tmp / "corrupt.ckpt").write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
     runner.fit(runner.compose([*BASE, "optimizer=sgd", "trainer.max_steps=2"]), run_dir=tmp / "sgd")
     (tmp / "sgd" / "checkpoints" / "last.ckpt").rename(tmp / "sgd.ckpt")
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "tensorboard").write_text("a file where the run's TensorBoard folder goes")
     return tmp
 
 

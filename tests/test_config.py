@@ -136,7 +136,7 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be a positive integer"),
     (["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer, or -1"),
     (["trainer.max_epochs=-1", "trainer.max_steps=-1"], "would train forever"),
-    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0.0 must be positive"),
+    (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0.0 must be a positive number"),
     (["trainer.ckpt_every_n_steps=0"], "trainer.ckpt_every_n_steps=0 must be a positive integer"),
     (["trainer.limit_train_batches=1.5"], "trainer.limit_train_batches=1.5 is not allowed"),
     (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 is not allowed"),

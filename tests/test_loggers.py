@@ -115,6 +115,21 @@ def test_a_resumed_run_hides_what_the_stopped_attempt_logged_after_its_checkpoin
     assert scalars(tmp_path / "tensorboard")["train/loss"] == [(5, 5.0), (10, 10.0), (15, 15.5), (20, 20.5)]
 
 
+def test_a_fresh_run_in_a_folder_that_has_events_replaces_them(tmp_path: Path) -> None:
+    """A re-run in the same folder, or a restart before the first checkpoint: each step appears once."""
+    first = TensorBoardLogger(str(tmp_path))
+    for step in (1, 2, 3):
+        first.log_metrics({"train/loss": float(step)}, step)
+    first.finalize()
+    again = TensorBoardLogger(str(tmp_path))  # not resumed: it starts at step 1 again
+    for step in (1, 2):
+        again.log_metrics({"train/loss": step + 0.5}, step)
+    again.finalize()
+    files = event_files(tmp_path)
+    assert len(files) == 2 and files[-1].name.split(".")[3] > files[0].name.split(".")[3]  # read after the first
+    assert scalars(tmp_path / "tensorboard")["train/loss"] == [(1, 1.5), (2, 2.5)]
+
+
 def test_a_logger_that_logs_nothing_writes_no_file(tmp_path: Path) -> None:
     TensorBoardLogger(str(tmp_path)).finalize()
     assert not (tmp_path / "tensorboard").exists()

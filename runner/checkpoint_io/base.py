@@ -28,5 +28,8 @@ class CheckpointIO(ABC):
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Delete the checkpoint at `path` if it exists."""
 
+    def wait(self) -> None:
+        """Return once every checkpoint saved so far is on disk (plain file IO writes before returning)."""
+
     def teardown(self) -> None:
         """Release threads or handles; plain file IO holds none."""

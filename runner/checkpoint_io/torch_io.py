@@ -6,6 +6,8 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
+import zlib
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from runner.checkpoint_io.base import CheckpointError, CheckpointIO
 
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+CHECKSUM_KEY = "checksum_crc32"  # of everything else in the checkpoint, checked when it is loaded
 
 
 class TorchCheckpointIO(CheckpointIO):
@@ -29,10 +32,10 @@ class TorchCheckpointIO(CheckpointIO):
             )
         path = os.fspath(path)
         try:
-            _write_atomic(checkpoint, path)
+            _write_atomic({**checkpoint, CHECKSUM_KEY: checksum(checkpoint)}, path)
         except Exception as err:
             raise CheckpointError(
-                f"cannot write checkpoint {path}: {_one_line(err)}; the previous file is left intact"
+                f"cannot write checkpoint {path}: {_write_reason(err, path)}; the previous file is left intact"
             ) from err
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = "cpu") -> dict:
@@ -50,6 +53,12 @@ class TorchCheckpointIO(CheckpointIO):
             raise CheckpointError(
                 f"cannot load checkpoint {path}: it holds a {type(checkpoint).__name__}, "
                 "expected a dict such as {'model': ..., 'optimizer': ..., 'step': ...}"
+            )
+        stored = checkpoint.pop(CHECKSUM_KEY, None)  # files written elsewhere have none
+        if stored is not None and stored != checksum(checkpoint):
+            raise CheckpointError(
+                f"cannot load checkpoint {path}: its contents do not match the checksum written with them (the "
+                "file was damaged or changed after it was saved); use an earlier checkpoint"
             )
         return checkpoint
 
@@ -76,6 +85,46 @@ def _write_atomic(checkpoint: dict, path: str) -> None:
             os.remove(tmp)
         raise
     _fsync_dir(directory)
+
+
+def checksum(tree: Any) -> int:
+    """CRC-32 of a checkpoint's structure and values: every key, number and string, and each tensor's dtype,
+    shape and bytes. A flipped byte in a tensor's data loads without an error from torch; this finds it."""
+    return _crc(tree, 0)
+
+
+def _crc(node: Any, crc: int) -> int:
+    if isinstance(node, torch.Tensor):
+        crc = zlib.crc32(f"T{node.dtype}{tuple(node.shape)}".encode(), crc)
+        if node.layout != torch.strided or node.device.type == "meta":
+            return crc
+        data = node.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return zlib.crc32(memoryview(data.numpy()), crc) if data.numel() else crc
+    if isinstance(node, dict):
+        crc = zlib.crc32(b"{", crc)
+        for key, value in node.items():
+            crc = _crc(value, zlib.crc32(repr(key).encode(), crc))
+        return zlib.crc32(b"}", crc)
+    if isinstance(node, (list, tuple)):
+        crc = zlib.crc32(b"[", crc)
+        for value in node:
+            crc = _crc(value, crc)
+        return zlib.crc32(b"]", crc)
+    return zlib.crc32(f"{type(node).__name__}:{node!r}".encode(), crc)
+
+
+def _write_reason(err: BaseException, path: str) -> str:
+    """torch.save reports a full disk as an 'unexpected pos' of its zip writer: say what it means."""
+    text = _one_line(err)
+    full = isinstance(err, OSError) and err.errno == 28  # ENOSPC
+    if full or "unexpected pos" in text or "file write failed" in text:
+        try:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        except OSError:
+            return f"the write failed: is the disk full? ({text})"
+        return (f"the write failed: the disk is full or a quota was reached ({free / 2**20:.1f} MiB free there; "
+                f"{text})")
+    return text
 
 
 def _fsync_dir(directory: str) -> None:
