@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -98,6 +97,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     from hydra.types import RunMode
 
     from runner import job, sweep
+    from runner.launch import stop_message
     from runner.logs import chosen_job_logging
 
     hydra_cfg = HydraConfig.get()
@@ -122,9 +122,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         return None
     if metrics.get("stopped_early"):
         signum = metrics.get("stop_signal") or 0
-        print(f"error: stopped by {signal.Signals(signum).name if signum else 'a signal'} at step "
-              f"{metrics.get('step')}; resume with trainer.ckpt_path={job_dir / 'checkpoints' / 'last.ckpt'}",
-              file=sys.stderr)
+        print(f"error: {stop_message(signum, job_dir)}", file=sys.stderr)
         if not multirun:
             sys.exit(128 + signum if signum else 1)
         failed_jobs.append(str(job_dir))

@@ -514,12 +514,13 @@ def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[st
     if missing:
         yield f"trainer.ckpt_path={path} is not a runner checkpoint: it lacks {', '.join(missing)}"
         return
-    per_batch = cfg.data.get("batch_size", 1) * processes
+    per_step = cfg.data.get("batch_size", 1) * processes * cfg.trainer.accumulate_grad_batches
     samples = checkpoint.get("samples_in_epoch", 0)
-    if samples % per_batch and cfg.get("stage", "fit") == "fit":  # other stages take the weights only
-        yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of batches "
-               f"of data.batch_size x processes = {per_batch}; resume with its global batch "
-               f"({checkpoint.get('global_batch_size')} = data.batch_size x processes x accumulate_grad_batches)")
+    if samples % per_step and cfg.get("stage", "fit") == "fit":  # other stages take the weights only
+        # The first step would train on part of a global batch (or skip samples): the data would not continue.
+        yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of this "
+               f"run's global batches (data.batch_size x processes x trainer.accumulate_grad_batches = {per_step}); "
+               f"resume with its global batch ({checkpoint.get('global_batch_size')})")
     yield from _check_model_fits(cfg, path, checkpoint["model"])
     yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
 

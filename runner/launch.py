@@ -21,8 +21,22 @@ class JobStopped(RuntimeError):
 
     def __init__(self, signum: int, run_dir: Path) -> None:
         self.signum = signum
-        name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name}; resume with trainer.ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")
+        super().__init__(stop_message(signum, run_dir))
+
+
+def stop_message(signum: int, run_dir: Path) -> str:
+    """What a stopped job tells its user: the signal, the step it saved, and how to continue (if it can)."""
+    name = signal.Signals(signum).name if signum else "a signal"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
+    import torch
+
+    try:
+        step = torch.load(last, map_location="cpu", weights_only=True)["step"]
+    except Exception:  # noqa: BLE001 - the message still names the file
+        return f"stopped by {name}; resume with trainer.ckpt_path={last}"
+    return f"stopped by {name} at step {step}, saved in {last}; resume with trainer.ckpt_path={last}"
 
 
 class WorkerFailed(RuntimeError):

@@ -38,8 +38,9 @@ class NonFiniteGuard:
     step, and a non-finite loss stops the run just after the next log step (a NaN poisons the loss sum).
     """
 
-    def __init__(self, strategy: Any, enabled: bool) -> None:
+    def __init__(self, strategy: Any, enabled: bool, gradients: bool = True) -> None:
         self.strategy, self.enabled, self.skipped = strategy, enabled, 0
+        self.gradients = gradients  # False when the precision skips such steps itself (a loss scaler)
         self._window_bad = False
 
     def check(self, loss: torch.Tensor) -> bool:
@@ -56,6 +57,38 @@ class NonFiniteGuard:
         bad, self._window_bad = self._window_bad, False
         self.skipped += bad
         return bad
+
+    def skip_gradients(self, parameters: Any) -> bool:
+        """True when a gradient is NaN/inf on some process though the losses were finite: the step is skipped."""
+        if not (self.enabled and self.gradients):
+            return False
+        grads = [p.grad for p in parameters if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        bad = bool(self.strategy.all_reduce((~finite).double(), reduce_op="sum") > 0)
+        self.skipped += bad
+        return bad
+
+
+class StopVote:
+    """Processes agree to stop at one step: each step starts a reduction of the signal each process got (0: none),
+    read at the next step, so a stop comes at most two steps after the signal, whatever the log interval."""
+
+    def __init__(self, strategy: Any, requested: Callable[[], int]) -> None:
+        self.strategy, self.requested = strategy, requested
+        self._pending: Optional[Callable[[], int]] = None
+
+    def __call__(self) -> int:
+        """The signal some process got (the highest number when several), once every process knows it."""
+        if self.strategy.world_size == 1:
+            return int(self.requested())
+        agreed = self.drain()
+        if not agreed:
+            self._pending = self.strategy.start_any_signal(int(self.requested()))
+        return agreed
+
+    def drain(self) -> int:
+        pending, self._pending = self._pending, None
+        return pending() if pending is not None else 0
 
 
 @dataclass
@@ -144,17 +177,19 @@ class Loop:
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate
         self.metrics = metrics or MetricSet({}, strategy)
         self.callbacks = callbacks or Callbacks()
-        self._signalled = False  # some process got a stop signal: stop now, skip the final validation
+        self._signalled = 0  # the signal some process got: stop now, skip the final validation
+        self.stop_vote = StopVote(strategy, stop_requested)
         self._stop_reason: Optional[str] = None  # a callback asked to end the run (early stopping)
         self.weights = StepWeights(task.task, strategy, train.batch_size, self.schedule.accumulate)
         self._train_preds = self.metrics.wants("train")
-        self._sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step, then a stop flag
+        self._sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step
         self._names: tuple[str, ...] = ()
         self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
         self._show_progress = strategy.is_global_zero and _interactive()
         self._progress_open = False
         self._last_progress_log = -math.inf
-        self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)))
+        self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)),
+                                    gradients=not self.precision.skips_nonfinite_steps)
         self._last_val_step = -1
         self._last_log_step = -1
         self._pending: _PendingLog | None = None
@@ -217,34 +252,35 @@ class Loop:
             self.weights.finish(self.task.parameters(), stats)
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
-            self.precision.optimizer_step(self.optimizer)
+            if not self.guard.skip_gradients(self.task.parameters()):
+                self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.progress.step += 1
 
     def _buffer(self) -> torch.Tensor:
-        """The sums since the last log step: the task's statistics, then a stop flag (made at the first use,
-        once the task knows its columns)."""
+        """The task's statistics summed since the last log step (made at the first use, once the task knows
+        its columns)."""
         if self._sums is None:
             self._names = self.task.task.stat_names
-            self._sums = torch.zeros(len(self._names) + 1, dtype=torch.float64, device=self.strategy.root_device)
+            self._sums = torch.zeros(len(self._names), dtype=torch.float64, device=self.strategy.root_device)
         return self._sums
 
     def _accumulate(self, out: dict) -> None:
         """Add a micro-batch's sums on the device: no host sync until the next log step."""
-        self._buffer()[:-1] += out["stats"].sum(dim=0)
+        self._buffer().add_(out["stats"].sum(dim=0))
 
     def _after_step(self) -> bool:
-        """Log, validate and checkpoint when due. Returns True when the run must stop (a signal)."""
+        """Log, validate and checkpoint when due. Returns True when the run must stop (a signal or a callback)."""
         s, step = self.schedule, self.progress.step
-        self._signalled |= self._collect_log()  # the last log step's sums, reduced while this step trained
+        self._signalled = self.stop_vote()
+        self._collect_log()  # the last log step's sums, reduced while this step trained
         periodic = step % s.ckpt_every == 0
-        if step % s.log_every == 0 or periodic:
+        if step % s.log_every == 0 or periodic or self._signalled:
             self._start_log()
-        validate = step % s.val_every == 0
+        validate = step % s.val_every == 0 and not self._signalled
         if validate or periodic or self._signalled:
-            # A checkpoint never holds weights a NaN went into, and a step's train line comes before its val line.
-            self._signalled |= self._collect_log()
+            self._collect_log()  # a step's train line comes before its val line and its checkpoint
         if validate:
             self._validate()  # callbacks may ask to stop here
         stop = self._signalled or self._stop_reason is not None
@@ -259,7 +295,6 @@ class Loop:
         The reduction runs while the next step trains; `_collect_log` logs it at the step it was started.
         """
         sums = self._buffer()
-        sums[-1] = float(self.stop_requested())
         now = time.perf_counter()
         self._pending = _PendingLog(
             reduced=self.strategy.start_all_reduce(sums, reduce_op="sum"), step=self.progress.step,
@@ -269,17 +304,16 @@ class Loop:
         sums.zero_()
         self._last_log_step = self.progress.step
 
-    def _collect_log(self) -> bool:
-        """Log the reduction `_start_log` started, if any. Returns True when some process asked to stop."""
+    def _collect_log(self) -> None:
+        """Log the reduction `_start_log` started, if any."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return False
-        reduced = pending.reduced().tolist()
-        sums, stop = dict(zip(self._names, reduced)), reduced[-1] > 0
+            return
+        sums = dict(zip(self._names, pending.reduced().tolist()))
         if not math.isfinite(sums["loss"]):
             raise NonFiniteLossError(self._nonfinite_message(pending.step))
         if not sums["samples"]:  # nothing trained since the last log (all skipped): keep the last values
-            return stop
+            return
         seconds = max(pending.elapsed, 1e-9)
         metrics = {f"train/{name}": value for name, value in self.task.task.compute(sums).items()}
         metrics.update({"lr": pending.lr, "throughput/samples_per_s": sums["samples"] / seconds,
@@ -291,13 +325,6 @@ class Loop:
         if self.strategy.is_global_zero:
             self._print_progress(metrics, pending.step, pending.epoch)
         self.callbacks.call("on_train_log", self, metrics, pending.step)
-        return stop
-
-    def _log_train(self) -> bool:
-        """Reduce and log the sums since the last log now. Returns True when some process asked to stop."""
-        stop = self._collect_log()
-        self._start_log()
-        return self._collect_log() or stop
 
     def _validate(self) -> None:
         if self.val is None or self._last_val_step == self.progress.step:
@@ -375,13 +402,18 @@ class Loop:
 
     def load_state_dict(self, checkpoint: dict) -> None:
         per_batch = self.train.batch_size * self.strategy.world_size
-        samples = checkpoint.get("samples_in_epoch", 0)
-        if samples % per_batch:
+        samples, saved_batch = checkpoint.get("samples_in_epoch", 0), checkpoint.get("global_batch_size")
+        if samples % self.global_batch:  # the first step would train on part of a batch, or skip samples
             raise ConfigError([
                 f"trainer.ckpt_path: the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, "
-                f"which is not a whole number of batches of {per_batch} (data.batch_size x processes); resume "
-                f"with the same global batch ({checkpoint.get('global_batch_size')})"
+                f"which is not a whole number of this run's global batches of {self.global_batch} (data.batch_size "
+                f"{self.train.batch_size} x {self.strategy.world_size} process(es) x trainer.accumulate_grad_batches "
+                f"{self.schedule.accumulate}); resume with the checkpoint's global batch ({saved_batch})"
             ])
+        if saved_batch is not None and saved_batch != self.global_batch:
+            log.warning("resuming a run trained with a global batch of %d with one of %d: the data continues "
+                        "where it stopped, but each step now averages over %d samples", saved_batch,
+                        self.global_batch, self.global_batch)
         self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
         configured = [dict(group, params=None) for group in self.optimizer.param_groups]  # this run's settings
         base_lrs = list(getattr(self.scheduler, "base_lrs", [g["lr"] for g in configured]))
@@ -419,6 +451,7 @@ class Loop:
         self.strategy.remove_checkpoint(path)
 
     def _save(self, periodic: bool) -> None:
+        self._check_finite_weights()
         folder = self.run_dir / "checkpoints"
         state = self.state_dict()
         if periodic:
@@ -428,21 +461,37 @@ class Loop:
                 self.remove_checkpoint(old)  # the run's own periodic files, oldest first
         self.save_checkpoint(folder / "last.ckpt", state)
 
+    def _check_finite_weights(self) -> None:
+        """No checkpoint holds a NaN or inf weight: a non-finite gradient (or clipping value) can leave the loss
+        finite for a step, and a stop signal saves before the next log step checks it."""
+        local = [getattr(p, "to_local", lambda p=p: p)() for p in self.task.parameters()]
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in local]).all()) if local else True
+        if not self.strategy.reduce_boolean_decision(finite, all=True):
+            last = self.run_dir / "checkpoints" / "last.ckpt"
+            where = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved yet"
+            raise NonFiniteLossError(f"the weights became NaN or infinite by step {self.progress.step}; they are "
+                                     f"not saved, and {where}")
+
     # -- start and end ------------------------------------------------------------------------------
     def _finish(self) -> dict:
         p = self.progress
-        self._signalled |= self._collect_log()
+        self._signalled = self._signalled or self.stop_vote.drain()
+        self._collect_log()
+        if self._last_log_step != p.step:
+            self._start_log()
+            self._collect_log()
         if not self._signalled:  # a signal stops at once; early stopping has validated this step already
-            if self._last_log_step != p.step:
-                self._log_train()
             self._validate()
         if self.schedule.save:
             self._save(periodic=False)
-        result = {**p.metrics, "step": p.step, "epoch": p.epoch, "stopped_early": self._signalled}
+        result = {**p.metrics, "step": p.step, "epoch": p.epoch, "stopped_early": bool(self._signalled)}
+        if self._signalled:
+            result["stop_signal"] = self._signalled
         if self._stop_reason is not None:
             result["stopped_by"] = self._stop_reason
             log.info("stopped at step %d by %s", p.step, self._stop_reason)
         self.callbacks.call("on_fit_end", self, result)
+        self.strategy.checkpoint_io.wait()  # metrics.json never names a step whose checkpoint is not on disk
         if self.strategy.is_global_zero:
             final = {k: v for k, v in result.items() if isinstance(v, float)}
             self.logger.log_hyperparams(self.hparams, final)

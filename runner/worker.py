@@ -6,17 +6,19 @@ process the launcher starts. It never re-enters `@hydra.main`, so a worker never
 
 from __future__ import annotations
 
+import gc
+import contextlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -32,7 +34,8 @@ from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a closed terminal or SSH session reaches the launcher, which passes it on to the workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -46,13 +49,13 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop stops at the next step where the processes agree, after a checkpoint."""
+    """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint."""
 
     def __init__(self) -> None:
         self.signal = 0
 
-    def __call__(self) -> bool:
-        return self.signal != 0
+    def __call__(self) -> int:
+        return self.signal
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal:
@@ -60,10 +63,10 @@ class StopRequest:
                 raise KeyboardInterrupt
             return  # a repeated SIGTERM/SIGUSR1 (several senders, or a re-sent notice) changes nothing
         self.signal = signum
-        log.warning("received %s: stopping just after the next log step, after saving last.ckpt",
-                    signal.Signals(signum).name)
+        log.warning("received %s: stopping after this step or the next (once every process knows), after "
+                    "saving last.ckpt", signal.Signals(signum).name)
 
-    @contextmanager
+    @contextlib.contextmanager
     def installed(self, signals: tuple = STOP_SIGNALS) -> Iterator["StopRequest"]:
         if threading.current_thread() is not threading.main_thread():
             yield self
@@ -118,14 +121,19 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         if own_logging or strategy.global_rank != 0:
             configure_logging(run_dir, strategy.global_rank)
         _check_same_config(cfg, strategy)
+        if strategy.is_global_zero:
+            remove_stale_temporaries(run_dir)
         slurm = SLURMEnvironment.detect()
         # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
         with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
             result = _train(cfg, strategy, run_dir, ckpt_path, stop)
-            if stop.signal == signal.SIGUSR1 and strategy.is_global_zero:
+            if result.get("stop_signal") == signal.SIGUSR1 and strategy.is_global_zero:
                 _requeue_slurm_job()
-            return {**result, "stop_signal": stop.signal} if result.get("stopped_early") else result
+            return result
     finally:
+        # The loop's reference cycles keep DDP alive, and DDP the process group: free them now, while the
+        # interpreter is whole. Freed during its shutdown, gloo's threads abort the process (SIGABRT).
+        gc.collect()
         strategy.teardown()
 
 
@@ -178,6 +186,37 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         logger.finalize()
 
 
+_TEMPORARY = re.compile(r"\.tmp-(\d+)(-[0-9a-f]+)?$")  # what atomic writes name their file until the rename
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Delete the half-written files a killed process left in the run folder (no rename ever came for them)."""
+    stale = []
+    for folder in (run_dir, run_dir / "checkpoints"):
+        for path in folder.iterdir() if folder.is_dir() else ():
+            match = _TEMPORARY.search(path.name)
+            if match and path.is_file() and not _alive(int(match.group(1))):
+                stale.append(path)
+    for path in stale:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if stale:
+        log.warning("removed %d half-written file(s) an earlier, killed process left: %s", len(stale),
+                    ", ".join(p.name for p in stale))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _requeue_slurm_job() -> None:
     job_id, scontrol = os.environ.get("SLURM_JOB_ID"), shutil.which("scontrol")
     if not (job_id and scontrol):
@@ -219,6 +258,11 @@ def run_from_file(config_file: str, run_dir: str) -> None:
     from runner.job import is_user_error
 
     _end_with_parent()
+    with contextlib.suppress(OSError):  # popen workers lead a session already
+        # Out of the terminal's process group, like popen workers: a Ctrl-C reaches them once, through the
+        # launcher, rather than twice (the second would mean "stop now, no checkpoint").
+        os.setsid()
+    parent = os.getppid()
     cfg = OmegaConf.load(config_file)
     try:
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
@@ -228,6 +272,12 @@ def run_from_file(config_file: str, run_dir: str) -> None:
         log.error("%s", error)
         _report_to_launcher(error)
         sys.exit(1)
+    finally:
+        if os.getppid() != parent:
+            # The launcher died (even by SIGKILL): nobody will collect this worker's result, and a spawned
+            # worker would wait for it forever. It has stopped at a step and saved; end now.
+            logging.shutdown()
+            os._exit(128 + signal.SIGTERM)
 
 
 def _report_to_launcher(error: BaseException) -> None:

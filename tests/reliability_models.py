@@ -65,3 +65,27 @@ class Slow(_Linear):
         time.sleep(self.delay)
         if int(os.environ.get("RANK", "0")) == self.stall_rank and self.calls == self.stall_at:
             time.sleep(self.stall)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward; NaN gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class NaNGradientAt(_Linear):
+    """A finite output and loss at the `nan_at_step`-th training call, but NaN gradients from it."""
+
+    def __init__(self, nan_at_step: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.nan_at_step = nan_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return _NaNGradient.apply(out) if self.training and self.calls == self.nan_at_step else out

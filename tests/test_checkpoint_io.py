@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 
 from runner.checkpoint_io import AsyncCheckpointIO, CheckpointError, CheckpointIO, TorchCheckpointIO
 from runner.checkpoint_io import torch_io
+from runner.checkpoint_io.torch_io import CHECKSUM_KEY
 
 
 class NotAllowed:
@@ -73,8 +75,44 @@ def test_round_trip_creates_parents_and_loads_weights_only(tmp_path):
     io = TorchCheckpointIO()
     io.save_checkpoint(_checkpoint(), path)
     _assert_same(io.load_checkpoint(path), _checkpoint())
-    _assert_same(torch.load(path, weights_only=True), _checkpoint())
+    plain = torch.load(path, weights_only=True)  # what a user's own script sees: the state and its checksum
+    assert isinstance(plain.pop(CHECKSUM_KEY), int)
+    _assert_same(plain, _checkpoint())
     assert os.listdir(path.parent) == ["last.ckpt"]
+
+
+def test_a_flipped_byte_in_a_tensor_is_refused_and_an_older_file_without_checksum_loads(tmp_path):
+    path = tmp_path / "last.ckpt"
+    io = TorchCheckpointIO()
+    state = _checkpoint(1.0)
+    state["model"]["w"] = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 0.5
+    io.save_checkpoint(state, path)
+    data = bytearray(path.read_bytes())
+    at = data.find(state["model"]["w"].numpy().tobytes())
+    assert at > 0
+    data[at + 9] ^= 0x01  # one bit of one weight: torch loads the file without complaint
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["w"], state["model"]["w"])
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        io.load_checkpoint(path)
+    torch.save(_checkpoint(), tmp_path / "plain.ckpt")  # written by torch.save alone: nothing to check
+    _assert_same(io.load_checkpoint(tmp_path / "plain.ckpt"), _checkpoint())
+
+
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        io = TorchCheckpointIO()
+        io.save_checkpoint(_checkpoint(2.0), mount / "last.ckpt")
+        with pytest.raises(CheckpointError, match=r"the disk is full or a quota was reached \(0\.\d MiB free"):
+            io.save_checkpoint({"model": {"w": torch.zeros(200_000)}}, mount / "last.ckpt")
+        _assert_same(io.load_checkpoint(mount / "last.ckpt"), _checkpoint(2.0))
+        assert os.listdir(mount) == ["last.ckpt"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_save_accepts_str_path_and_replaces_previous_file(tmp_path):
@@ -335,3 +373,31 @@ def test_async_copies_cuda_tensors_to_cpu(tmp_path):
     loaded = torch.load(path, weights_only=True)
     assert loaded["model"]["w"].device.type == "cpu"
     assert torch.equal(loaded["model"]["w"], torch.zeros(1024))
+
+
+def test_metrics_json_is_written_only_once_the_async_checkpoint_of_its_step_is_on_disk(make_cfg, tmp_path,
+                                                                                      monkeypatch):
+    """A process killed right after metrics.json appears must not leave a last.ckpt of an earlier step."""
+    import runner
+    from runner import loop
+
+    write = TorchCheckpointIO.save_checkpoint
+
+    def slow_save(self, checkpoint, path, storage_options=None):
+        time.sleep(0.3)  # the background write is still going when training ends
+        write(self, checkpoint, path, storage_options)
+
+    on_disk_at_write = []
+    write_json = loop._write_json
+
+    def recording_write_json(path, data):
+        if path.name == "metrics.json":
+            last = tmp_path / "checkpoints" / "last.ckpt"
+            on_disk_at_write.append(torch.load(last, weights_only=True)["step"] if last.exists() else None)
+        write_json(path, data)
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", slow_save)
+    monkeypatch.setattr(loop, "_write_json", recording_write_json)
+    metrics = runner.fit(make_cfg("checkpoint_io=async", "trainer.max_steps=6", "trainer.ckpt_every_n_steps=2"),
+                         run_dir=tmp_path)
+    assert metrics["step"] == 6 and on_disk_at_write == [6]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,9 +24,11 @@ def env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
 
 
-def start(run_dir: Path, *args: str, cwd: Path) -> subprocess.Popen:
+def start(run_dir: Path, *args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
+    # The variable marks every process of the job, spawned workers too, whose command lines name no folder.
     return subprocess.Popen([sys.executable, "-m", "runner", *args, f"hydra.run.dir={run_dir}"], cwd=cwd,
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**env(), "RELIABILITY_TEST_RUN": str(run_dir)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
 
 
 def run(run_dir: Path, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -33,13 +37,14 @@ def run(run_dir: Path, *args: str, cwd: Path, timeout: float = 120) -> subproces
 
 
 def processes_mentioning(text: str) -> list[int]:
+    """Processes whose command line or environment holds `text` (a run folder: see `start`)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            seen = b" ".join(Path(f"/proc/{pid}/{part}").read_bytes() for part in ("cmdline", "environ"))
         except OSError:
             continue
-        if text in cmdline and int(pid) != os.getpid():
+        if text in seen.replace(b"\0", b" ").decode(errors="replace") and int(pid) != os.getpid():
             found.append(int(pid))
     return found
 
@@ -57,26 +62,60 @@ def step_of(checkpoint: Path) -> int:
     return torch.load(checkpoint, map_location="cpu", weights_only=True)["step"]
 
 
+def training(run_dir: Path) -> bool:
+    log = run_dir / "rank_1.log"
+    return log.exists() and "global batch" in log.read_text()
+
+
+def assert_stopped_and_saved(run_dir: Path, stderr: str, name: str) -> None:
+    """The message names the signal and a step; last.ckpt holds that step with finite weights; no process is left."""
+    said = re.search(rf"stopped by {name} at step (\d+), saved in (\S+); resume with trainer.ckpt_path=", stderr)
+    assert said, stderr
+    assert Path(said[2]) == run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(said[2], map_location="cpu", weights_only=True)
+    assert checkpoint["step"] == int(said[1]) > 0
+    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
+    assert "Traceback" not in stderr
+    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
+
+
+# 0.5 s steps and a log step every 1000: a stop must come at the next step, not the next log step.
+SLOW = ("model._target_=reliability_models.Slow", "+model.delay=0.5", "trainer.log_every_n_steps=1000",
+        "trainer.max_steps=100000", "trainer.max_epochs=-1")
+
+
 @pytest.mark.parametrize("target", ["parent", "worker"])
-def test_sigterm_stops_at_a_step_saves_and_leaves_nothing_behind(tmp_path: Path, target: str) -> None:
+def test_sigterm_stops_at_the_next_step_saves_and_names_it(tmp_path: Path, target: str) -> None:
     run_dir = tmp_path / "run"
-    job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.Slow", "trainer.max_steps=100000",
-                "trainer.max_epochs=-1", cwd=tmp_path)
-    assert wait_for(lambda: (run_dir / "rank_1.log").exists() and "global batch" in (run_dir / "rank_1.log").read_text(),
-                    60), job.communicate(timeout=5)
+    job = start(run_dir, *DDP2, *TINY, *SLOW, cwd=tmp_path)
+    assert wait_for(lambda: training(run_dir), 60), job.communicate(timeout=5)
     time.sleep(1.0)
     if target == "parent":
         victim = job.pid
-    else:
+    else:  # one worker alone: the other learns it at the next step, and the job still exits 128 + SIGTERM
         victim = next(pid for pid in processes_mentioning(str(run_dir)) if pid != job.pid)
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)
-    assert time.monotonic() - started < 40
-    assert job.returncode != 0, stderr
-    assert "Traceback" not in stderr
-    assert step_of(run_dir / "checkpoints" / "last.ckpt") > 0
-    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
+    assert time.monotonic() - started < 15  # two 0.5 s steps and a save, far inside the launcher's 30 s grace
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert_stopped_and_saved(run_dir, stderr, "SIGTERM")
+
+
+@pytest.mark.parametrize("start_method, signum", [("spawn", signal.SIGINT), ("fork", signal.SIGINT),
+                                                  ("popen", signal.SIGHUP)])
+def test_a_terminal_signal_to_the_whole_group_stops_once_with_a_checkpoint(tmp_path: Path, start_method: str,
+                                                                          signum: int) -> None:
+    """Ctrl-C, or a closed terminal, signals every process of the foreground group at once."""
+    run_dir = tmp_path / "run"
+    job = start(run_dir, *DDP2, *TINY, *SLOW, f"strategy.start_method={start_method}", cwd=tmp_path,
+                new_session=True)
+    assert wait_for(lambda: training(run_dir), 60), job.communicate(timeout=5)
+    time.sleep(1.0)
+    os.killpg(job.pid, signum)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 128 + signum, stderr
+    assert_stopped_and_saved(run_dir, stderr, signal.Signals(signum).name)
 
 
 def test_max_restarts_resumes_after_a_failure_and_finishes(tmp_path: Path) -> None:
@@ -130,14 +169,39 @@ def test_skip_nonfinite_loss_skips_the_step_and_finishes(tmp_path: Path) -> None
     assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
 
 
-def test_a_failed_checkpoint_write_is_reported(tmp_path: Path) -> None:
+def test_a_checkpoint_folder_that_cannot_be_written_is_reported_before_training(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoints").write_text("a file where the checkpoint folder should be")
     result = run(run_dir, *TINY, "trainer.max_steps=3", cwd=tmp_path)
     assert result.returncode == 1
-    assert "cannot write checkpoint" in result.stderr and "last.ckpt" in result.stderr
+    assert f"cannot write in {run_dir / 'checkpoints'}: {run_dir / 'checkpoints'} is a file" in result.stderr
     assert "Traceback" not in result.stderr
+    assert "global batch" not in (run_dir / "runner.log").read_text() and not (run_dir / "tensorboard").exists()
+
+
+def test_nan_gradients_with_a_finite_loss_are_never_saved(tmp_path: Path) -> None:
+    # Step 4's loss is finite, its gradients NaN: the weights it leaves are NaN, and step 4 is a checkpoint step.
+    result = run(tmp_path / "run", *TINY, "model._target_=reliability_models.NaNGradientAt", "+model.nan_at_step=4",
+                 "trainer.ckpt_every_n_steps=2", "trainer.log_every_n_steps=100", "trainer.max_steps=20", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert f"the weights became NaN or infinite by step 4; they are not saved, and the last good checkpoint is {last}" \
+        in result.stderr
+    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+    assert checkpoint["step"] == 2 and all(torch.isfinite(t).all() for t in checkpoint["model"].values())
+    assert not (tmp_path / "run" / "checkpoints" / "step-000004.ckpt").exists()
+
+
+def test_skip_nonfinite_loss_also_skips_nan_gradients_and_ends_finite(tmp_path: Path) -> None:
+    result = run(tmp_path / "run", *TINY, "model._target_=reliability_models.NaNGradientAt", "+model.nan_at_step=3",
+                 "trainer.skip_nonfinite_loss=true", "trainer.max_steps=8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["train/skipped_steps"] == 1.0 and metrics["step"] == 8
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path: Path) -> None:
@@ -148,6 +212,41 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path: Path) -
         assert job.returncode == 0, stderr
     folders = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json")]
     assert len(folders) == 2 and folders[0] != folders[1]
+
+
+def test_a_sweep_whose_second_is_taken_gets_a_folder_of_its_own(tmp_path: Path) -> None:
+    """Two sweeps started in one second: the second finds the first's folder and must not write into it."""
+    now = time.time()
+    taken = [tmp_path / "multirun" / time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(now + k)) for k in range(60)]
+    for folder in taken:  # every folder a sweep started in the next minute would pick
+        folder.mkdir(parents=True)
+        (folder / "other-sweep").write_text("")
+    result = subprocess.run([sys.executable, "-m", "runner", "-m", "optimizer.lr=0.1,0.01", *TINY,
+                             "trainer.max_steps=2", "logger=none"], cwd=tmp_path, env=env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert all(sorted(p.name for p in folder.iterdir()) == ["other-sweep"] for folder in taken)
+    mine = [p for p in (tmp_path / "multirun").glob("*/*") if p not in taken]
+    assert len(mine) == 1 and mine[0].name.rsplit("-", 1)[0] in {f.name for f in taken}
+    assert sorted(p.parent.name for p in mine[0].glob("*/metrics.json")) == ["0", "1"]
+
+
+def test_half_written_files_of_a_killed_process_are_removed_at_the_next_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert run(run_dir, *TINY, "trainer.max_steps=2", cwd=tmp_path).returncode == 0
+    gone = subprocess.Popen(["true"])  # its pid is free once it is waited for
+    gone.wait()
+    left = [run_dir / "checkpoints" / f".last.ckpt.tmp-{gone.pid}-0a1b2c3d", run_dir / f".metrics.json.tmp-{gone.pid}",
+            run_dir / f"metrics.csv.tmp-{gone.pid}"]
+    for path in left:  # what SIGKILL during a save leaves: no rename ever came
+        path.write_bytes(b"half a file")
+    mine = run_dir / "checkpoints" / f".last.ckpt.tmp-{os.getpid()}-0a1b2c3d"  # a live process's write: kept
+    mine.write_bytes(b"in progress")
+    result = run(run_dir, *TINY, "trainer.max_steps=4", "trainer.ckpt_path=last", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert not any(path.exists() for path in left) and mine.exists()
+    assert "removed 3 half-written file(s)" in (run_dir / "runner.log").read_text()
+    assert step_of(run_dir / "checkpoints" / "last.ckpt") == 4
 
 
 def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
@@ -180,14 +279,15 @@ def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_pat
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242-0"]
 
 
-def test_workers_end_when_the_parent_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_workers_end_when_the_parent_is_killed(tmp_path: Path, start_method: str) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.Slow", "trainer.max_steps=100000",
-                "trainer.max_epochs=-1", cwd=tmp_path)
+                "trainer.max_epochs=-1", f"strategy.start_method={start_method}", cwd=tmp_path)
     assert wait_for(lambda: (run_dir / "rank_1.log").exists() and "global batch" in (run_dir / "rank_1.log").read_text(),
                     60), job.communicate(timeout=5)
     assert len(processes_mentioning(str(run_dir))) >= 2
     os.kill(job.pid, signal.SIGKILL)  # no chance to clean up: the workers must notice by themselves
     job.communicate(timeout=10)
-    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 30)
+    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 30)  # spawned ones too: none waits for it
     assert step_of(run_dir / "checkpoints" / "last.ckpt") > 0  # they still stopped at a step and saved

@@ -80,6 +80,30 @@ def test_resume_mid_epoch_with_a_batch_that_does_not_divide_the_position(make_cf
         runner.fit(cfg, run_dir=tmp_path / "resumed")
 
 
+def test_resume_with_more_accumulation_than_the_position_allows_is_refused(make_cfg: MakeCfg,
+                                                                           tmp_path: Path) -> None:
+    runner.fit(make_cfg("trainer.max_steps=5"), run_dir=tmp_path / "first")  # 5 batches of 16 into the epoch
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    # Batches of 16 still divide 80 samples, but steps of 2 x 16 do not: the first step would take half a batch.
+    cfg = make_cfg("trainer.accumulate_grad_batches=2", "trainer.max_steps=8", f"trainer.ckpt_path={last}")
+    with pytest.raises(ConfigError, match=r"stopped 80 samples into an epoch, .*accumulate_grad_batches = 32\); "
+                                          r"resume with its global batch \(16\)"):
+        runner.fit(cfg, run_dir=tmp_path / "resumed")
+    assert not (tmp_path / "resumed" / "checkpoints").exists()
+
+
+def test_resume_with_another_global_batch_that_divides_the_position_continues_and_warns(
+        make_cfg: MakeCfg, tmp_path: Path) -> None:
+    runner.fit(make_cfg("trainer.max_steps=4"), run_dir=tmp_path / "first")  # 64 samples into the epoch
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    metrics = runner.fit(make_cfg("trainer.accumulate_grad_batches=2", "trainer.max_steps=6",
+                                  f"trainer.ckpt_path={last}"), run_dir=tmp_path / "resumed")
+    assert metrics["step"] == 6
+    checkpoint = load_checkpoint(tmp_path / "resumed")
+    assert checkpoint["samples_in_epoch"] == 64 + 2 * 32 and checkpoint["global_batch_size"] == 32
+    assert "trained with a global batch of 16 with one of 32" in (tmp_path / "resumed" / "runner.log").read_text()
+
+
 def test_resuming_into_another_model_is_refused_before_training(make_cfg: MakeCfg, tmp_path: Path) -> None:
     runner.fit(make_cfg("trainer.max_steps=2"), run_dir=tmp_path / "first")
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"

@@ -57,6 +57,10 @@ class MixedPrecision(Precision):
         # Optimizers unscaled since their last step: GradScaler rejects a second unscale_ in one step.
         self._unscaled: set[int] = set()
 
+    @property
+    def skips_nonfinite_steps(self) -> bool:  # type: ignore[override]
+        return self.scaler.is_enabled()
+
     def forward_context(self) -> AbstractContextManager:
         # A new object per call: autocast state is thread-local and DataParallel replicas enter it in threads.
         return torch.autocast(device_type=self.device, dtype=self._autocast_dtype)

@@ -31,6 +31,7 @@ class Precision:
 
     precision: str = "32-true"
     _dtype: torch.dtype | None = None
+    skips_nonfinite_steps: bool = False  # True where optimizer_step itself skips steps with inf/NaN gradients
 
     def __init__(self) -> None:
         # Default dtype to put back if a module_init_context is still open at teardown.

@@ -52,6 +52,7 @@ class DDPStrategy(Strategy):
         self.process_group_backend = process_group_backend
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.start_method = start_method
+        self._host_group: Any = None  # a gloo group for host-side votes (the process group itself under gloo)
         self._ddp_kwargs = kwargs
 
     # -- who am I -------------------------------------------------------------------------------
@@ -182,8 +183,21 @@ class DDPStrategy(Strategy):
         votes = self.all_reduce(torch.tensor(int(bool(decision)), device=self.root_device), reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
+    def start_any_signal(self, signum: int) -> Callable[[], int]:
+        # On the host, through gloo: reading a device tensor each step would wait for the step's kernels.
+        if self._host_group is None:
+            self._host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        vote = torch.tensor(signum, dtype=torch.int32)
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._host_group, async_op=True)
+
+        def wait() -> int:
+            work.wait()
+            return int(vote)
+        return wait
+
     def teardown(self) -> None:
         super().teardown()
+        self._host_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

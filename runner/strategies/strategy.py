@@ -121,6 +121,11 @@ class Strategy:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
+    def start_any_signal(self, signum: int) -> Callable[[], int]:
+        """Start agreeing on a stop signal; calling the result waits and returns the highest `signum` of all
+        processes (0: none got one)."""
+        return lambda: signum
+
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict, path: Any) -> None:
         """Rank 0 writes through the checkpoint IO; every rank waits until it is written."""
