@@ -240,7 +240,7 @@ def _restart_checkpoint(run_dir: Path) -> Any:
     return str(last) if last.exists() else None
 
 
-def _end_with_parent() -> None:
+def end_with_parent() -> None:
     """Linux: SIGTERM this worker when its launcher dies, even by SIGKILL, so no orphan keeps training."""
     try:
         import ctypes
@@ -257,7 +257,7 @@ def run_from_file(config_file: str, run_dir: str) -> None:
 
     from runner.job import is_user_error
 
-    _end_with_parent()
+    end_with_parent()
     with contextlib.suppress(OSError):  # popen workers lead a session already
         # Out of the terminal's process group, like popen workers: a Ctrl-C reaches them once, through the
         # launcher, rather than twice (the second would mean "stop now, no checkpoint").

@@ -120,9 +120,18 @@ def test_torchrun_leaves_no_temporary_folder_even_when_killed(tmp_path: Path) ->
             time.sleep(0.2)
         assert (run_dir / "rank_1.log").exists(), "the job never started training"
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        os.killpg(job.pid, signal.SIGKILL)  # torchrun alone: its ranks lead sessions of their own
         job.wait(timeout=30)
     assert not list(tmp.glob("runner-rank-*"))
+
+    def ranks() -> list[str]:
+        return [pid for pid in filter(str.isdigit, os.listdir("/proc")) if str(run_dir).encode() in _cmdline(pid)]
+
+    deadline = time.monotonic() + 60
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ranks(), "torchrun's ranks outlived it"
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["step"] > 0  # they stopped at a step
 
 
 @pytest.mark.parametrize("sweep", [["-m", "optimizer.lr=0.1,0.01"], ["experiment=lr_sweep"]], ids=["-m", "preset"])
@@ -144,3 +153,10 @@ def test_workers_apply_the_jobs_hydra_job_logging(tmp_path: Path) -> None:
     disabled = tmp_path / "disabled"
     assert_ok(run_cli([*TWO_CPU, *SHORT, f"hydra.run.dir={disabled}", "hydra/job_logging=disabled"], cwd=tmp_path))
     assert (disabled / "metrics.json").exists() and not list(disabled.glob("*.log"))
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
