@@ -503,10 +503,12 @@ def _check_metrics(cfg: DictConfig) -> Iterator[str]:
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:
     """The checkpoint loads, and fits this config: the model's tensors and the position in the epoch."""
-    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO
+    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded
 
     try:
-        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location="cpu")
+        # A sharded folder (strategy=fsdp) gives its tensors' shapes without reading them.
+        checkpoint = (sharded.skeleton(path) if sharded.is_sharded(path)
+                      else TorchCheckpointIO().load_checkpoint(path, map_location="cpu"))
     except CheckpointError as err:
         yield f"trainer.ckpt_path={path}: {err}"
         return
