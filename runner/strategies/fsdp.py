@@ -97,7 +97,7 @@ class FSDPStrategy(DDPStrategy):
         model = getattr(module, "model", module)
         wrapped = apply_activation_checkpointing(model, self.activation_checkpointing)
         units = shard_units(model, self.shard)
-        names = Counter(class_name(unit) for unit in units)
+        names, root = Counter(class_name(unit) for unit in units), type(model).__name__  # before fully_shard renames
         mesh = init_device_mesh(self.root_device.type, (self.world_size,))
         options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         if getattr(self.precision, "precision", None) == "bf16-mixed":
@@ -109,7 +109,7 @@ class FSDPStrategy(DDPStrategy):
         fully_shard(model, **options)
         log.info("strategy=fsdp: %d unit(s) over %d process(es): %s, then the root %s; activation checkpointing: %s",
                  len(units) + 1, self.world_size, ", ".join(f"{n} x{c}" for n, c in names.items()) or "none",
-                 type(model).__name__, f"{wrapped} module(s)" if wrapped else "off")
+                 root, f"{wrapped} module(s)" if wrapped else "off")
         self._model = model
         return module
 
