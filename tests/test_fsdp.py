@@ -83,12 +83,21 @@ def test_sharded_checkpoint_resumes_under_ddp_exactly(runs: dict[str, Path], tmp
     assert_same_state(read(last(tmp_path)), read(last(runs["fsdp"])))
 
 
-def test_ddp_checkpoint_resumes_under_fsdp_with_accumulation_and_a_full_file(runs: dict[str, Path],
-                                                                             tmp_path: Path) -> None:
+def test_sharded_checkpoint_of_two_processes_resumes_on_four_fsdp_processes(runs: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    step6 = last(runs["fsdp"], "step-000006.ckpt")
+    fit(tmp_path, "strategy=fsdp", "trainer.devices=4", "data.batch_size=8", f"trainer.ckpt_path={step6}")
+    assert sorted(p.name for p in last(tmp_path).iterdir() if p.suffix == ".distcp") == [
+        f"__{rank}_0.distcp" for rank in range(4)]
+    assert_same_state(read(last(tmp_path)), read(last(runs["fsdp"])))
+
+
+def test_ddp_checkpoint_resumes_under_fsdp_with_accumulation_offload_and_a_full_file(runs: dict[str, Path],
+                                                                                     tmp_path: Path) -> None:
     # The same global batch of 32 as 2 x 8 x accumulate 2: the micro-steps skip the reduce-scatter.
     step6 = last(runs["ddp"], "step-000006.ckpt")
     fit(tmp_path, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8", "trainer.accumulate_grad_batches=2",
-        "strategy.state_dict_type=full", "trainer.ckpt_every_n_steps=3", "trainer.keep_last_k=1",
+        "strategy.state_dict_type=full", "strategy.cpu_offload=true", "trainer.ckpt_every_n_steps=3", "trainer.keep_last_k=1",
         f"trainer.ckpt_path={step6}")
     assert last(tmp_path).is_file()  # one file, loadable without the runner
     assert sorted(p.name for p in last(tmp_path).parent.iterdir()) == ["last.ckpt", "step-000012.ckpt"]
@@ -111,6 +120,7 @@ def test_export_gives_a_state_dict_the_plain_model_loads(runs: dict[str, Path], 
 def test_bf16_mixed_activation_checkpointing_async_saves_and_best_checkpoints(runs: dict[str, Path],
                                                                              tmp_path: Path) -> None:
     metrics = fit(tmp_path, "strategy=fsdp", *TWO, "precision=bf16-mixed", "strategy.shard=[Linear]",
+                  "strategy.reshard_after_forward=false",
                   "strategy.activation_checkpointing=[Linear]", "checkpoint_io=async",
                   "callbacks=model_checkpoint", "trainer.val_check_interval=6", "data.test_samples=64")
     assert metrics["step"] == 12 and metrics["tested"] == str(last(tmp_path, "best.ckpt"))

@@ -191,7 +191,9 @@ class FSDPStrategy(DDPStrategy):
         if self._model is None:
             return super().load_checkpoint(path)
         if sharded.is_sharded(path):
-            return sharded.read(path, self._allocate)
+            model_state, params = self._targets(sharded.read_rest(path)["optimizer"]["param_groups"])
+            return sharded.read(path, lambda where, size, dtype, rest: _allocate(where, size, dtype, model_state,
+                                                                                   params))
         checkpoint = self.checkpoint_io.load_checkpoint(path, map_location="cpu")
         return self._shard_checkpoint(checkpoint)
 
@@ -201,17 +203,6 @@ class FSDPStrategy(DDPStrategy):
         # The optimizer is built over model.parameters(): index i of its state is the i-th parameter.
         indices = [index for group in param_groups for index in group["params"]]
         return self._model.state_dict(), dict(zip(indices, self._model.parameters()))
-
-    def _allocate(self, where: tuple, size: torch.Size, dtype: torch.dtype, rest: dict) -> torch.Tensor:
-        model_state, params = self._targets(rest["optimizer"]["param_groups"])
-        target = None
-        if where[0] == "model":
-            target = model_state.get(where[1])
-        elif where[0] == "optimizer_state":
-            target = params.get(int(where[1]))
-        if _is_dtensor(target) and tuple(target.shape) == tuple(size):
-            return torch.empty_like(target, dtype=dtype)  # only this process's slice
-        return torch.empty(size, dtype=dtype)
 
     def _shard_checkpoint(self, checkpoint: dict) -> dict:
         """A full checkpoint's model and optimizer tensors cut to this process's shards (no communication)."""
@@ -249,6 +240,18 @@ def _gradient_sync_off(root: Any) -> Iterator[None]:
         yield
     finally:
         root.set_requires_gradient_sync(True)
+
+
+def _allocate(where: tuple, size: torch.Size, dtype: torch.dtype, model_state: dict, params: dict) -> torch.Tensor:
+    """Where DCP reads the checkpoint's tensor at `where`: this process's slice when it is sharded here."""
+    target = None
+    if where[0] == "model":
+        target = model_state.get(where[1])
+    elif where[0] == "optimizer_state":
+        target = params.get(int(where[1]))
+    if _is_dtensor(target) and tuple(target.shape) == tuple(size):
+        return torch.empty_like(target, dtype=dtype)
+    return torch.empty(size, dtype=dtype)
 
 
 def _is_dtensor(value: Any) -> bool:
