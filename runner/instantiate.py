@@ -403,11 +403,8 @@ def _check_fsdp(cfg: DictConfig) -> Iterator[str]:
         return
     node = cfg.strategy
     shard = node.get("shard", "auto")
-    shard = shard if shard == "auto" else fsdp._names(OmegaConf.to_container(shard) if OmegaConf.is_config(shard)
-                                                       else shard)
-    checkpointing = node.get("activation_checkpointing") or []
-    checkpointing = fsdp._names(OmegaConf.to_container(checkpointing) if OmegaConf.is_config(checkpointing)
-                                else checkpointing)
+    shard = shard if shard == "auto" else fsdp.as_names(shard)
+    checkpointing = fsdp.as_names(node.get("activation_checkpointing") or [])
     precision = OmegaConf.create({"precision": cfg.precision.get("precision")})
     problems = fsdp.settings_problems(shard, checkpointing, node.get("state_dict_type", "sharded"), precision)
     yield from problems

@@ -4,6 +4,7 @@ of processes and under other strategies, that survive a kill mid-save, and that 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from conftest import TINY, compose_config
 from runner.checkpoint_io import sharded
 from runner.export import main as export_main
 from runner.models import MLP
+
+pytestmark = pytest.mark.slow  # whole runs of 2 (and 4) processes
 
 # 256 samples / global batch 32: 8 steps an epoch, so the stop at step 6 falls mid-epoch.
 BASE = (*[o for o in TINY if not o.startswith(("logger.", "strategy=", "trainer.devices", "data.batch_size"))],
@@ -232,3 +235,7 @@ def test_fsdp_strategy_shards_skips_sync_on_micro_steps_and_survives_a_kill_duri
     (partial,) = tmp_path.glob(".last.ckpt.tmp-*")  # what the killed save left: shards, no metadata
     assert {p.name for p in partial.iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
     assert not (partial / ".metadata").exists()
+    again = sharded.temporary_path(tmp_path / "last.ckpt", "next")  # the next save of it clears the leftover
+    shutil.copytree(tmp_path / "last.ckpt", again)
+    sharded.publish(again, tmp_path / "last.ckpt")
+    assert not partial.exists() and sharded.read(tmp_path / "last.ckpt")["step"] == 1

@@ -59,8 +59,8 @@ class FSDPStrategy(DDPStrategy):
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
-        shard = _names(shard) if shard != "auto" else shard
-        activation_checkpointing = _names(activation_checkpointing) if activation_checkpointing else []
+        shard = as_names(shard) if shard != "auto" else shard
+        activation_checkpointing = as_names(activation_checkpointing) if activation_checkpointing else []
         problems = settings_problems(shard, activation_checkpointing, state_dict_type, self.precision)
         if problems:
             from runner.config import ConfigError
@@ -223,7 +223,7 @@ class FSDPStrategy(DDPStrategy):
             super().teardown()
 
 
-def _names(value: Any) -> Any:
+def as_names(value: Any) -> Any:
     """A class name or a list of them (a ListConfig from Hydra too) as a list; anything else as it came."""
     if isinstance(value, str):
         return [value]
