@@ -44,7 +44,7 @@ JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_cl
 # benchmarks/handwritten_lm.py, whose defaults are the same values.
 LM_JOB = ["experiment=charlm"]
 LM_BATCH, LM_BLOCK, LM_MAX_BYTES, LM_VAL_FRACTION = 32, 128, 2_000_000, 0.05
-SUITES = ("cli", "step", "logging", "ckpt", "compile", "versions", "lm")
+SUITES = ("cli", "step", "logging", "ckpt", "compile", "versions", "lm", "fsdp", "fsdp_memory")
 
 Command = Callable[[int, Path], list[str]]  # (steps, run folder) -> argv
 SuiteResult = tuple[str, dict]  # (markdown table, raw numbers)
@@ -62,8 +62,8 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # `lm` only when asked for: its steps take 0.3-0.8 s on 2 CPU cores, so it needs its own --steps.
-    p.add_argument("--suite", choices=SUITES, nargs="+", default=[s for s in SUITES if s != "lm"])
+    # `lm` and `fsdp_memory` only when asked for: their steps take 0.1-0.8 s on 2 CPU cores, so they need their own --steps.
+    p.add_argument("--suite", choices=SUITES, nargs="+", default=[s for s in SUITES if s not in ("lm", "fsdp_memory")])
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts for the step suite")
     p.add_argument("--pairs", type=int, default=5, help="A/B pairs per comparison")
@@ -86,11 +86,11 @@ def num_samples(steps: int, procs: int) -> int:
 
 
 def runner_cmd(args: argparse.Namespace, procs: int, *extra: str, log_every: int | None = None,
-               snapshot: Path | None = None) -> Command:
+               snapshot: Path | None = None, strategy: str | None = None, job: list[str] | None = None) -> Command:
     """The runner's command line; from `snapshot`'s code (first on PYTHONPATH) when given."""
-    strategy = "ddp" if procs > 1 else "single"
+    strategy = strategy or ("ddp" if procs > 1 else "single")
     path = [str(snapshot.resolve()), str(HERE / "rss_probe"), os.environ.get("PYTHONPATH")] if snapshot else []
-    base = [*(["env", "PYTHONPATH=" + os.pathsep.join(filter(None, path))] if snapshot else []), PY, "-m", "runner", *JOB, f"accelerator={args.accelerator}", f"strategy={strategy}",
+    base = [*(["env", "PYTHONPATH=" + os.pathsep.join(filter(None, path))] if snapshot else []), PY, "-m", "runner", *(job or JOB), f"accelerator={args.accelerator}", f"strategy={strategy}",
             f"trainer.devices={procs}", f"trainer.log_every_n_steps={log_every or args.log_every}", *extra]
     return lambda steps, out: [*base, f"trainer.max_steps={steps}",
                                f"data.num_samples={num_samples(max(args.steps), procs)}", f"hydra.run.dir={out}"]
@@ -119,10 +119,11 @@ def lm_handwritten_cmd(args: argparse.Namespace, procs: int) -> Command:
     return lambda steps, out: [*base, "--steps", str(steps), "--out", str(out)]
 
 
-def handwritten_cmd(args: argparse.Namespace, procs: int, log_every: int | None = None) -> Command:
+def handwritten_cmd(args: argparse.Namespace, procs: int, log_every: int | None = None, fsdp: bool = False) -> Command:
     launch = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 else [PY]
     base = [*launch, str(HERE / "handwritten.py"), "--accelerator", args.accelerator, "--log-every",
-            str(log_every or args.log_every), "--num-samples", str(num_samples(max(args.steps), procs))]
+            str(log_every or args.log_every), "--num-samples", str(num_samples(max(args.steps), procs)),
+            *(["--fsdp"] if fsdp else [])]
     return lambda steps, out: [*base, "--steps", str(steps), "--out", str(out)]
 
 
@@ -256,6 +257,35 @@ def suite_cli(args: argparse.Namespace) -> SuiteResult:
 def suite_step(args: argparse.Namespace) -> SuiteResult:
     """The runner against the hand-written loop, per process count."""
     return runner_vs_hand(args, "step", runner_cmd, handwritten_cmd)
+
+
+def suite_fsdp(args: argparse.Namespace) -> SuiteResult:
+    """strategy=fsdp against the hand-written loop sharded the same way (handwritten.py --fsdp)."""
+    return runner_vs_hand(args, "fsdp", lambda a, procs: runner_cmd(a, procs, strategy="fsdp"),
+                          lambda a, procs: handwritten_cmd(a, procs, fsdp=True))
+
+
+# ~50M parameters (12 x 2048 x 2048 + the ends) trained with AdamW: two moments per parameter.
+MEMORY_JOB = ["model.hidden=2048", "model.depth=12", "data.num_features=64", "data.num_classes=10",
+              "data.batch_size=16", "optimizer=adamw", "trainer.limit_val_batches=0"]
+
+
+def suite_fsdp_memory(args: argparse.Namespace) -> SuiteResult:
+    """Peak RSS per process of strategy=fsdp against strategy=ddp on the ~50M-parameter job, A B A B."""
+    rows, data = [], {}
+    for procs in args.procs:
+        print(f"fsdp_memory suite: {procs} process(es)", flush=True)
+        cases = {strategy: runner_cmd(args, procs, strategy=strategy, job=MEMORY_JOB) for strategy in ("fsdp", "ddp")}
+        raw = ab_pairs(cases, args)
+        f, d = (per_pair(raw[name], args) for name in cases)
+        data[f"{procs} process(es)"] = {"fsdp": f, "ddp": d}
+        for role in f["rss_mb"]:
+            rows.append(f"| {procs} | {role} | {spread(f['rss_mb'][role], digits=0)} | {spread(d['rss_mb'][role], digits=0)} "
+                        f"| **{spread(ratios(f['rss_mb'][role], d['rss_mb'][role]), digits=3)}** "
+                        f"| {spread(f['step_inrun'], 1e3, 0)} | {spread(d['step_inrun'], 1e3, 0)} |")
+    header = ("| procs | process | fsdp max RSS MB | ddp max RSS MB | fsdp / ddp | fsdp ms/step (in-run) "
+              "| ddp ms/step (in-run) |")
+    return "\n".join([header, "|" + "---|" * 7, *rows]), data
 
 
 def suite_lm(args: argparse.Namespace) -> SuiteResult:
@@ -395,7 +425,8 @@ def main() -> None:
     if max(args.steps) % args.log_every or min(args.steps) >= max(args.steps):
         sys.exit(f"--steps N1 N2 needs N1 < N2 and N2 a multiple of --log-every={args.log_every}")
     suites = {"cli": suite_cli, "step": suite_step, "logging": suite_logging, "ckpt": suite_ckpt,
-              "compile": suite_compile, "versions": suite_versions, "lm": suite_lm}
+              "compile": suite_compile, "versions": suite_versions, "lm": suite_lm, "fsdp": suite_fsdp,
+              "fsdp_memory": suite_fsdp_memory}
     print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}; OMP_NUM_THREADS={args.threads}; "
           f"steps N1={args.steps[0]} N2={args.steps[1]}; {args.pairs} pairs; accelerator={args.accelerator}",
           flush=True)

@@ -7,6 +7,10 @@ TensorBoard every `--log-every` steps, validation at every epoch end and at the 
 
     python benchmarks/handwritten.py --steps 300 --out /tmp/hw                  # one process
     torchrun --nproc-per-node=2 benchmarks/handwritten.py --steps 300 --out /tmp/hw2   # 2 DDP processes
+    torchrun --nproc-per-node=2 benchmarks/handwritten.py --fsdp --steps 300 --out /tmp/hw3   # 2 FSDP2 processes
+
+With `--fsdp` the model is sharded with FSDP2 as strategy=fsdp shards it by default (each Linear, then the
+whole model) and `last.ckpt` is a torch.distributed.checkpoint folder every rank writes its shards into.
 
 Rank 0 writes `<out>/loop_start` (the wall-clock time, `time.time()`, just before the first step), so a
 caller can measure start-up the same way for this script and for the runner.
@@ -44,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     return p.parse_args(argv)
 
 
@@ -148,7 +153,15 @@ class TrainMeter:
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
     torch.manual_seed(args.seed)
     model = make_model(args).to(device)
-    net = DistributedDataParallel(model) if world > 1 else model
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        net = fully_shard(model)
+    else:
+        net = DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     train_loader, val_loader = loaders(args, rank, world)
     writer = SummaryWriter(str(args.out / "tensorboard")) if rank == 0 else None
@@ -163,8 +176,14 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if writer:
             writer.add_scalar("val/loss", val_loss, step)
             writer.add_scalar("val/acc", val_acc, step)
-    if rank == 0:
+    if args.fsdp:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()["state"]},
+                 checkpoint_id=str(args.out / "last.ckpt"))
+    elif rank == 0:
         save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, args.out / "last.ckpt")
+    if rank == 0:
         writer.close()
     if world > 1:
         dist.barrier()

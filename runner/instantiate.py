@@ -346,14 +346,79 @@ def _check_signatures(cfg: DictConfig) -> Iterator[str]:
     ddp = DistributedDataParallel if strategy_class and issubclass(strategy_class, DDPStrategy) else None
     # DDPStrategy passes its other keyword arguments to DistributedDataParallel; the module, the devices and
     # the process group are the strategy's own.
-    yield from check_settings("strategy", cfg.strategy, injected=STRATEGY_COMPONENTS, kwargs_target=ddp,
+    yield from check_settings("strategy", _without_ddp_settings(cfg), injected=STRATEGY_COMPONENTS,
+                              kwargs_target=ddp,
                               kwargs_skip=("module", "device_ids", "output_device", "process_group", "device_mesh"))
+    yield from _ddp_settings_under_fsdp(cfg)
     for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
         yield from check_settings(group, cfg[group])
     yield from check_settings("optimizer", cfg.optimizer, leading=1)  # called with the model's parameters
     yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
     for name, spec in logger_specs(cfg).items():
         yield from check_settings(f"logger.{name}", spec)
+
+
+def _is_fsdp(cfg: DictConfig) -> bool:
+    from runner.strategies import FSDPStrategy
+
+    strategy_class = _strategy_class(cfg)
+    return bool(strategy_class and issubclass(strategy_class, FSDPStrategy))
+
+
+def _ddp_only_keys(cfg: DictConfig) -> list[str]:
+    """Keys of strategy=fsdp that are DistributedDataParallel's arguments (what strategy=ddp passes on)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.signatures import parameters
+
+    if not _is_fsdp(cfg):
+        return []
+    own = parameters(get_method(cfg.strategy._target_)) or {}
+    ddp = parameters(DistributedDataParallel) or {}
+    return [str(k) for k in cfg.strategy if k not in own and k in ddp]
+
+
+def _without_ddp_settings(cfg: DictConfig) -> DictConfig:
+    keys = _ddp_only_keys(cfg)
+    if not keys:
+        return cfg.strategy
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    return OmegaConf.create({k: v for k, v in node.items() if k not in keys})
+
+
+def _ddp_settings_under_fsdp(cfg: DictConfig) -> Iterator[str]:
+    from runner.signatures import parameters
+
+    own = [p for p in (parameters(get_method(cfg.strategy._target_)) or {}) if p not in STRATEGY_COMPONENTS]
+    for key in _ddp_only_keys(cfg):
+        yield (f"strategy.{key}={cfg.strategy[key]} is a setting of DistributedDataParallel (strategy=ddp); "
+               f"strategy=fsdp shards instead of replicating and takes: {', '.join(own)}")
+
+
+def _check_fsdp(cfg: DictConfig) -> Iterator[str]:
+    """strategy=fsdp's settings, and the class names it names against the model (built on the meta device)."""
+    from runner.strategies import fsdp
+
+    if not _is_fsdp(cfg):
+        return
+    node = cfg.strategy
+    shard = node.get("shard", "auto")
+    shard = shard if shard == "auto" else fsdp.as_names(shard)
+    checkpointing = fsdp.as_names(node.get("activation_checkpointing") or [])
+    precision = OmegaConf.create({"precision": cfg.precision.get("precision")})
+    problems = fsdp.settings_problems(shard, checkpointing, node.get("state_dict_type", "sharded"), precision)
+    yield from problems
+    if problems:
+        return
+    try:
+        with torch.random.fork_rng(devices=[]), _python_rng_kept(), torch.device("meta"):
+            model = build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+        return
+    for key, names in (("shard", [] if shard == "auto" else shard), ("activation_checkpointing", checkpointing)):
+        missing = sorted(set(names) - set(fsdp.module_classes(model)))
+        if missing:
+            yield fsdp.unknown_classes_message(key, missing, model)
 
 
 # What a constructor raises for values it refuses (ZeroDivisionError: StepLR's step_size=0 at its first step).
@@ -503,10 +568,12 @@ def _check_metrics(cfg: DictConfig) -> Iterator[str]:
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:
     """The checkpoint loads, and fits this config: the model's tensors and the position in the epoch."""
-    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO
+    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded
 
     try:
-        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location="cpu")
+        # A sharded folder (strategy=fsdp) gives its tensors' shapes without reading them.
+        checkpoint = (sharded.skeleton(path) if sharded.is_sharded(path)
+                      else TorchCheckpointIO().load_checkpoint(path, map_location="cpu"))
     except CheckpointError as err:
         yield f"trainer.ckpt_path={path}: {err}"
         return
@@ -580,6 +647,7 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     problems += _check_half_optimizer(cfg)
     problems += _check_training_objects(cfg)
     problems += _check_compile(cfg)
+    problems += _check_fsdp(cfg)
     if ckpt_path is not None and not problems:
         devices = devices_setting(cfg, instantiate(cfg.cluster))
         processes = len(build_accelerator(cfg).parse_devices(devices)) * cfg.trainer.num_nodes

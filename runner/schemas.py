@@ -42,6 +42,21 @@ class DDPStrategyConfig:
 
 
 @dataclass
+class FSDPStrategyConfig:
+    """FSDPStrategy's keys: DDP's process settings, then how the model is sharded and checkpointed."""
+
+    _target_: str = "runner.strategies.FSDPStrategy"
+    process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
+    timeout: float = 1800  # seconds any collective may wait
+    start_method: str = "popen"  # popen | spawn | fork
+    shard: Any = "auto"  # auto, or module class names: [Block]
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: List[str] = field(default_factory=list)  # module class names
+    state_dict_type: str = "sharded"  # sharded | full
+
+
+@dataclass
 class MixedPrecisionConfig:
     _target_: str = "runner.precision.MixedPrecision"
     precision: str = MISSING  # 16-mixed | bf16-mixed
@@ -104,6 +119,7 @@ SCHEMAS: dict[str, Any] = {
     "component": Component,
     "strategy_auto": AutoStrategyConfig,
     "strategy_ddp": DDPStrategyConfig,
+    "strategy_fsdp": FSDPStrategyConfig,
     "precision_mixed": MixedPrecisionConfig,
     "precision_half": HalfPrecisionConfig,
     "task_classification": ClassificationTaskConfig,

@@ -64,7 +64,7 @@ def test_the_option_list_covers_every_group() -> None:
     groups = {group for group, _ in all_options()}
     assert {"strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "optimizer",
             "scheduler", "logger", "task", "trainer", "experiment", "hparams_search"} <= groups
-    assert {"auto", "single", "dp", "ddp"} <= {o for g, o in all_options() if g == "strategy"}
+    assert {"auto", "single", "dp", "ddp", "fsdp"} <= {o for g, o in all_options() if g == "strategy"}
 
 
 def _assert_built_as_targeted(obj: object, node: DictConfig) -> None:

@@ -139,6 +139,11 @@ class Strategy:
             self.checkpoint_io.remove_checkpoint(path)
 
     def load_checkpoint(self, path: Any) -> dict:
+        """A checkpoint file, or a sharded folder (strategy=fsdp's) read whole."""
+        from runner.checkpoint_io import sharded
+
+        if sharded.is_sharded(path):
+            return sharded.read(path)
         return self.checkpoint_io.load_checkpoint(path, map_location="cpu")
 
     def teardown(self) -> None:

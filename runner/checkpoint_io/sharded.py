@@ -1,0 +1,192 @@
+"""Sharded checkpoints: a folder each process writes its shards into (torch.distributed.checkpoint), read on any count.
+
+Layout of `<name>.ckpt/` (a folder where a full checkpoint is a file, so every path, glob and `ckpt_path=last`
+works for both):
+- `.metadata`, `__<rank>_0.distcp` — DCP's files: the model's tensors (`model.<key>`) and the optimizer's
+  per-parameter tensors (`optimizer_state.<index>.<name>`), each with its global shape, so any number of
+  processes can read the parts they hold.
+- `state.pt` — everything else of the checkpoint (step, epoch, data position, RNG, scheduler, optimizer
+  settings, callbacks), written by rank 0 with torch.save and read with `weights_only=True`.
+
+A save goes to `.<name>.tmp-<token>/` and is renamed into place once every rank has written: a crash at any
+point leaves the previous checkpoint whole. DCP pickles non-tensor values (and unpickles them with
+`weights_only=False`), so only tensors go through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+STATE_FILE = "state.pt"
+METADATA_FILE = ".metadata"
+# (path inside the checkpoint, global size, dtype, the checkpoint's other entries) -> the tensor to read it into.
+Allocate = Callable[[tuple, torch.Size, torch.dtype, dict], torch.Tensor]
+
+
+def is_sharded(path: Any) -> bool:
+    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
+
+
+def split(checkpoint: dict) -> tuple[dict, dict]:
+    """(the tensors DCP writes, the rest) of a checkpoint with `model` and `optimizer` as the loop saves them."""
+    optimizer = dict(checkpoint["optimizer"])
+    tensor_state, other_state = {}, {}
+    for index, entries in optimizer.get("state", {}).items():
+        tensor_state[str(index)] = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+        other_state[index] = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
+    optimizer["state"] = other_state
+    rest = {**checkpoint, "optimizer": optimizer}
+    del rest["model"]
+    return {"model": dict(checkpoint["model"]), "optimizer_state": tensor_state}, rest
+
+
+def join(tensors: dict, rest: dict) -> dict:
+    """The checkpoint `split` took apart, optimizer state keyed by parameter index again."""
+    optimizer = dict(rest["optimizer"])
+    state = {int(k): dict(v) for k, v in optimizer.get("state", {}).items()}
+    for index, entries in tensors.get("optimizer_state", {}).items():
+        state.setdefault(int(index), {}).update(entries)
+    optimizer["state"] = dict(sorted(state.items()))
+    return {**rest, "model": tensors["model"], "optimizer": optimizer}
+
+
+def temporary_path(path: Path, token: str) -> Path:
+    return path.with_name(f".{path.name}.tmp-{token}")
+
+
+def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = None) -> None:
+    """Every rank writes its shards into `tmp` (a collective); the rank passing `rest` also writes state.pt.
+
+    Tensors every rank holds alike (biases of unsharded layers, Adam's step) are written once, by rank 0.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group,
+             no_dist=not dist.is_initialized())
+    if rest is not None:
+        with open(tmp / STATE_FILE, "wb") as file:
+            torch.save(rest, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Put the finished folder `tmp` at `path` (one process): swapped atomically with any previous checkpoint
+    there (Linux renameat2), so `path` always holds a whole checkpoint; then drop the old one and leftovers."""
+    if path.exists() and _exchange(tmp, path):
+        _remove(tmp)  # now the previous checkpoint
+    else:
+        if path.exists():  # no atomic swap here: move the old one aside first (a crash now leaves it there)
+            aside = path.with_name(f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            os.replace(path, aside)
+            os.replace(tmp, path)
+            _remove(aside)
+        else:
+            os.replace(tmp, path)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # folders of saves a crash interrupted
+        _remove(stale)
+    _fsync_dir(path.parent)
+
+
+def remove(path: Any) -> None:
+    _remove(Path(path))
+
+
+def read_rest(path: Any) -> dict:
+    from runner.checkpoint_io import CheckpointError
+
+    try:
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"sharded checkpoint {path} lacks {STATE_FILE}: it was not written completely") from err
+
+
+def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = None) -> dict:
+    """The checkpoint in the sharded folder `path`, each tensor read into `allocate(...)`'s tensor.
+
+    By default every tensor is read whole (plain tensors: what strategy=single or ddp loads). A strategy that
+    shards passes tensors holding only its part (DTensors), and DCP reads just those parts; every process of
+    the group must call it then.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    collective = allocate is not None and dist.is_initialized()
+    rest = read_rest(path)
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    allocate = allocate or (lambda where, size, dtype, rest: torch.empty(size, dtype=dtype))
+    tensors: dict = {"model": {}, "optimizer_state": {}}
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        where = metadata.planner_data[key]
+        node = tensors
+        for part in where[:-1]:
+            node = node.setdefault(part, {})
+        node[where[-1]] = allocate(where, item.size, item.properties.dtype, rest)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process reading: meant
+        dcp.load(tensors, storage_reader=reader, process_group=process_group, no_dist=not collective)
+    return join(tensors, rest)
+
+
+def skeleton(path: Any) -> dict:
+    """The checkpoint with every tensor on the meta device (shapes only, nothing read): for checks before start."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    tensors: dict = {"model": {}, "optimizer_state": {}}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            where = metadata.planner_data[key]
+            node = tensors
+            for part in where[:-1]:
+                node = node.setdefault(part, {})
+            node[where[-1]] = torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+    return join(tensors, read_rest(path))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

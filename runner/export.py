@@ -1,0 +1,60 @@
+"""`python -m runner.export <run dir or checkpoint> <file>`: a checkpoint's model weights as one plain state_dict file.
+
+A sharded checkpoint (a folder, strategy=fsdp) is read whole in this one process, without a process group;
+a full checkpoint file works too. The result is the model's own `state_dict` (no optimizer, no training state),
+written atomically and loadable with `torch.load(file, weights_only=True)` into the model as built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded
+
+
+def checkpoint_of(source: Path) -> Path:
+    """`source` itself, or a run folder's checkpoints/last.ckpt."""
+    last = source / "checkpoints" / "last.ckpt"
+    if source.is_dir() and not sharded.is_sharded(source):
+        if last.exists():
+            return last
+        raise CheckpointError(f"{source} is neither a checkpoint nor a run folder with checkpoints/last.ckpt")
+    return source
+
+
+def export(source: Path, target: Path) -> dict[str, torch.Tensor]:
+    """Write the model weights of the checkpoint at (or the run folder) `source` to `target`; returns them."""
+    path = checkpoint_of(Path(source))
+    if sharded.is_sharded(path):
+        checkpoint = sharded.read(path)
+    else:
+        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location="cpu")
+    if "model" not in checkpoint:
+        raise CheckpointError(f"{path} is not a runner checkpoint: it has no model weights")
+    weights = {key: value.contiguous() for key, value in checkpoint["model"].items()}
+    TorchCheckpointIO().save_checkpoint(weights, target)
+    return weights
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.export", description=__doc__.split("\n")[0])
+    parser.add_argument("source", type=Path, help="a run folder, a checkpoint folder (sharded) or a checkpoint file")
+    parser.add_argument("target", type=Path, help="the state_dict file to write")
+    args = parser.parse_args(argv)
+    try:
+        weights = export(args.source, args.target)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    count = sum(t.numel() for t in weights.values())
+    print(f"wrote {args.target}: {len(weights)} tensors, {count:,} parameters and buffers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
