@@ -62,7 +62,7 @@ class NonFiniteGuard:
         """True when a gradient is NaN/inf on some process though the losses were finite: the step is skipped."""
         if not (self.enabled and self.gradients):
             return False
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [getattr(p.grad, "to_local", lambda g=p.grad: g)() for p in parameters if p.grad is not None]
         finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
         bad = bool(self.strategy.all_reduce((~finite).double(), reduce_op="sum") > 0)
         self.skipped += bad
@@ -193,6 +193,7 @@ class Loop:
         self._last_val_step = -1
         self._last_log_step = -1
         self._pending: _PendingLog | None = None
+        self._periodic: Optional[list[Path]] = None  # the step-N checkpoints on disk or being written
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -455,10 +456,16 @@ class Loop:
         folder = self.run_dir / "checkpoints"
         state = self.state_dict()
         if periodic:
-            self.save_checkpoint(folder / f"step-{self.progress.step:06d}.ckpt", state)
+            new = folder / f"step-{self.progress.step:06d}.ckpt"
+            self.save_checkpoint(new, state)
             keep = self.cfg.get("keep_last_k")
-            for old in sorted(folder.glob("step-*.ckpt"))[:-keep] if keep else ():
+            # Counted here, not listed from the disk, where a background write may not have landed yet.
+            if self._periodic is None:
+                self._periodic = list(folder.glob("step-*.ckpt"))
+            self._periodic = sorted({*self._periodic, new})
+            for old in self._periodic[:-keep] if keep else ():
                 self.remove_checkpoint(old)  # the run's own periodic files, oldest first
+            self._periodic = self._periodic[-keep:] if keep else self._periodic
         self.save_checkpoint(folder / "last.ckpt", state)
 
     def _check_finite_weights(self) -> None:

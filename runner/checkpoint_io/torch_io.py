@@ -20,7 +20,13 @@ CHECKSUM_KEY = "checksum_crc32"  # of everything else in the checkpoint, checked
 
 
 class TorchCheckpointIO(CheckpointIO):
-    """Writes through a temporary file and `os.replace`, so a crash never leaves half a checkpoint."""
+    """Writes through a temporary file and `os.replace`, so a crash never leaves half a checkpoint.
+
+    `checksum=False` writes the dict exactly as given (a plain state_dict for `load_state_dict`, strict).
+    """
+
+    def __init__(self, checksum: bool = True) -> None:
+        self.checksum = checksum
 
     def save_checkpoint(
         self, checkpoint: dict, path: str | os.PathLike, storage_options: Any = None
@@ -32,7 +38,7 @@ class TorchCheckpointIO(CheckpointIO):
             )
         path = os.fspath(path)
         try:
-            _write_atomic({**checkpoint, CHECKSUM_KEY: checksum(checkpoint)}, path)
+            _write_atomic({**checkpoint, CHECKSUM_KEY: checksum(checkpoint)} if self.checksum else checkpoint, path)
         except Exception as err:
             raise CheckpointError(
                 f"cannot write checkpoint {path}: {_write_reason(err, path)}; the previous file is left intact"
