@@ -154,7 +154,7 @@ def test_bash_completion_completes_python_m_runner(tmp_path: Path) -> None:
     done = subprocess.run(["bash", "-c", COMPLETE, "complete", str(tmp_path / "complete.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["strategy. strategy=", "strategy=auto strategy=ddp strategy=dp strategy=single",
+    assert done.stdout.splitlines() == ["strategy. strategy=", "strategy=auto strategy=ddp strategy=dp strategy=fsdp strategy=single",
                                         "trainer.devices="]
 
 

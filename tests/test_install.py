@@ -114,7 +114,7 @@ def test_the_default_experiment_runs_from_an_empty_folder(installed: Installed) 
 def test_the_runner_script_lists_the_built_in_groups(installed: Installed) -> None:
     result = installed.run(str(installed.venv / "bin" / "runner"), "--help", timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "strategy: auto, ddp, dp, single" in result.stdout
+    assert "strategy: auto, ddp, dp, fsdp, single" in result.stdout
     assert "experiment: " in result.stdout and "shapes" in result.stdout
 
 
