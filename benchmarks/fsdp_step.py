@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fsdp_config():
+def job_config(strategy: str = "fsdp"):
+    """compare.py's job on 2 CPU processes under `strategy`, composed as `python -m runner` composes it."""
     from hydra import compose, initialize_config_dir
 
     from runner.config import register_configs, register_resolvers
@@ -52,8 +53,15 @@ def fsdp_config():
     register_resolvers()
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "runner" / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*JOB, "accelerator=cpu", "strategy=fsdp", "trainer.devices=2",
+        return compose("config", overrides=[*JOB, "accelerator=cpu", f"strategy={strategy}", "trainer.devices=2",
                                             "trainer.log_every_n_steps=50", "data.num_samples=8192"])
+
+
+def join_group(rank: int, port: int, threads: int) -> None:
+    """The environment a launched worker has, for rank `rank` of 2 meeting on `port`."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(threads)
 
 
 def hand_step(cfg) -> Callable[[tuple], None]:
@@ -82,12 +90,10 @@ def hand_step(cfg) -> Callable[[tuple], None]:
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    torch.set_num_threads(args.threads)
+    join_group(rank, port, args.threads)
     from runner import instantiate as build
 
-    cfg = fsdp_config()
+    cfg = job_config("fsdp")
     strategy = build.build_strategy(cfg)
     strategy.setup_environment()
     loop, loader = runner_loop(cfg, strategy)
@@ -100,8 +106,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    args = parse_args()
+def run_two(worker: Callable, args: argparse.Namespace) -> None:
+    """`worker(rank, port, args, queue)` in 2 spawned processes; print the table rank 0 puts on the queue."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,6 +124,10 @@ def main() -> None:
         proc.join(timeout=120)
     print("\n".join([*HEADER, *rows]), flush=True)
     print(f"\nload {os.getloadavg()}")
+
+
+def main() -> None:
+    run_two(worker, parse_args())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.checkpoint_io.torch_io import fsync_dir
+
 STATE_FILE = "state.pt"
 METADATA_FILE = ".metadata"
 # (path inside the checkpoint, global size, dtype, the checkpoint's other entries) -> the tensor to read it into.
@@ -96,7 +98,7 @@ def publish(tmp: Path, path: Path) -> None:
             os.replace(tmp, path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # folders of saves a crash interrupted
         _remove(stale)
-    _fsync_dir(path.parent)
+    fsync_dir(str(path.parent))
 
 
 def remove(path: Any) -> None:
@@ -177,16 +179,3 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

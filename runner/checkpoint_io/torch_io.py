@@ -90,7 +90,7 @@ def _write_atomic(checkpoint: dict, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def checksum(tree: Any) -> int:
@@ -133,7 +133,7 @@ def _write_reason(err: BaseException, path: str) -> str:
     return text
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     # The rename survives a power loss only once the directory entry is flushed; some platforms
     # and filesystems refuse to open or fsync a directory, and the write itself already succeeded.
     try:
