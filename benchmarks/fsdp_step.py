@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,12 +27,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from compare import JOB  # noqa: E402
-from lm_step_costs import HEADER, alternate, batches, runner_loop, step_variants, summary  # noqa: E402
+from lm_step_costs import (HEADER, alternate, batches, join_group, report, runner_loop, spawn_two,  # noqa: E402
+                           step_variants)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,13 +54,6 @@ def job_config(strategy: str = "fsdp"):
     with initialize_config_dir(config_dir=str(ROOT / "runner" / "conf"), version_base="1.3"):
         return compose("config", overrides=[*JOB, "accelerator=cpu", f"strategy={strategy}", "trainer.devices=2",
                                             "trainer.log_every_n_steps=50", "data.num_samples=8192"])
-
-
-def join_group(rank: int, port: int, threads: int) -> None:
-    """The environment a launched worker has, for rank `rank` of 2 meeting on `port`."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    torch.set_num_threads(threads)
 
 
 def hand_step(cfg) -> Callable[[tuple], None]:
@@ -100,28 +92,15 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     variants = step_variants("2 FSDP processes", hand_step(cfg), loop, batches(loader, 8))
     times = alternate(variants, args.rounds, args.steps, {"CPU": time.thread_time, "wall": time.perf_counter},
                       sync=dist.barrier)
-    if rank == 0:
-        queue.put(summary(times["CPU"], 1e3, "thread CPU, ms (rank 0)") + summary(times["wall"], 1e3, "wall, ms (rank 0)"))
-    dist.barrier()
-    dist.destroy_process_group()
+    report(times, rank, queue)
 
 
 def run_two(worker: Callable, args: argparse.Namespace) -> None:
-    """`worker(rank, port, args, queue)` in 2 spawned processes; print the table rank 0 puts on the queue."""
+    """`worker(rank, port, args, queue)` in 2 spawned processes; print the table rank 0 reports."""
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     print(f"torch threads {args.threads}; {args.rounds} rounds; {args.steps} steps per block; "
           f"load {os.getloadavg()}\n", flush=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(rank, port, args, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    rows = queue.get(timeout=3600)
-    for proc in procs:
-        proc.join(timeout=120)
+    rows = spawn_two(worker, args)
     print("\n".join([*HEADER, *rows]), flush=True)
     print(f"\nload {os.getloadavg()}")
 

@@ -266,10 +266,39 @@ def step_one(args: argparse.Namespace, cfg) -> list[str]:
     return summary(times["CPU"], 1e3, "thread CPU, ms") + summary(times["wall"], 1e3, "wall, ms")
 
 
-def ddp_worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+def join_group(rank: int, port: int, threads: int) -> None:
+    """The environment a launched worker has, for rank `rank` of 2 meeting on `port`."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
+
+
+def report(times: dict, rank: int, queue) -> None:
+    """Rank 0 puts the CPU and wall rows on `queue`; then both leave the process group."""
+    if rank == 0:
+        queue.put(summary(times["CPU"], 1e3, "thread CPU, ms (rank 0)") + summary(times["wall"], 1e3, "wall, ms (rank 0)"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_two(worker: Callable, args: argparse.Namespace) -> list[str]:
+    """`worker(rank, port, args, queue)` in 2 spawned processes; the rows rank 0 puts on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(rank, port, args, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    rows = queue.get(timeout=3600)
+    for proc in procs:
+        proc.join(timeout=120)
+    return rows
+
+
+def ddp_worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
+    join_group(rank, port, args.threads)
     from runner import instantiate as build
 
     cfg = lm_config(2)
@@ -280,25 +309,11 @@ def ddp_worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     variants = step_variants("2 DDP processes", hand, loop, batches(loader, 8))
     times = alternate(variants, args.rounds, args.steps, {"CPU": time.thread_time, "wall": time.perf_counter},
                       sync=dist.barrier)
-    if rank == 0:
-        queue.put(summary(times["CPU"], 1e3, "thread CPU, ms (rank 0)") + summary(times["wall"], 1e3, "wall, ms (rank 0)"))
-    dist.barrier()
-    dist.destroy_process_group()
+    report(times, rank, queue)
 
 
 def step_two(args: argparse.Namespace) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=ddp_worker, args=(rank, port, args, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    rows = queue.get(timeout=3600)
-    for proc in procs:
-        proc.join(timeout=120)
-    return rows
+    return spawn_two(ddp_worker, args)
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_step import job_config, join_group, run_two  # noqa: E402
-from lm_step_costs import alternate, batches, runner_loop, summary  # noqa: E402
+from fsdp_step import job_config, run_two  # noqa: E402
+from lm_step_costs import alternate, batches, join_group, report, runner_loop  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,10 +58,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
 
     times = alternate({"step": step, "step + vote": step_and_vote}, args.rounds, args.steps,
                       {"CPU": time.thread_time, "wall": time.perf_counter}, sync=between_blocks)
-    if rank == 0:
-        queue.put(summary(times["CPU"], 1e3, "thread CPU, ms (rank 0)") + summary(times["wall"], 1e3, "wall, ms (rank 0)"))
-    dist.barrier()
-    dist.destroy_process_group()
+    report(times, rank, queue)
 
 
 if __name__ == "__main__":

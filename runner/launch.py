@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -30,13 +31,14 @@ def stop_message(signum: int, run_dir: Path) -> str:
     last = run_dir / "checkpoints" / "last.ckpt"
     if not last.exists():
         return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
-    import torch
-
+    # A stopped run's metrics.json is written after its last.ckpt, at the same step: no checkpoint to read.
     try:
-        step = torch.load(last, map_location="cpu", weights_only=True)["step"]
-    except Exception:  # noqa: BLE001 - the message still names the file
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        metrics = {}
+    if not metrics.get("stopped_early"):
         return f"stopped by {name}; resume with trainer.ckpt_path={last}"
-    return f"stopped by {name} at step {step}, saved in {last}; resume with trainer.ckpt_path={last}"
+    return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
 
 
 class WorkerFailed(RuntimeError):

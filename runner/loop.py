@@ -166,12 +166,12 @@ class Loop:
     """Trains `task` (wrapped by the strategy) until max_steps or max_epochs, validating and checkpointing."""
 
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
-                 val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], bool],
+                 val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], int],
                  hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None) -> None:
         self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
         self.precision = strategy.precision
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
-        self.cfg, self.run_dir, self.stop_requested, self.hparams = trainer_cfg, run_dir, stop_requested, hparams
+        self.cfg, self.run_dir, self.hparams = trainer_cfg, run_dir, hparams
         self.schedule = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * self.schedule.accumulate

@@ -28,13 +28,20 @@ class AutoStrategyConfig:
 
 
 @dataclass
-class DDPStrategyConfig:
-    """DDPStrategy's own keys, then the DistributedDataParallel arguments the option file sets."""
+class _ProcessesConfig:
+    """The keys DDPStrategy and FSDPStrategy share: how the processes start and meet."""
 
-    _target_: str = "runner.strategies.DDPStrategy"
+    _target_: str = MISSING
     process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
     timeout: float = 1800  # seconds any collective may wait
     start_method: str = "popen"  # popen | spawn | fork
+
+
+@dataclass
+class DDPStrategyConfig(_ProcessesConfig):
+    """DDPStrategy's own keys, then the DistributedDataParallel arguments the option file sets."""
+
+    _target_: str = "runner.strategies.DDPStrategy"
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float = 25
@@ -42,13 +49,10 @@ class DDPStrategyConfig:
 
 
 @dataclass
-class FSDPStrategyConfig:
+class FSDPStrategyConfig(_ProcessesConfig):
     """FSDPStrategy's keys: DDP's process settings, then how the model is sharded and checkpointed."""
 
     _target_: str = "runner.strategies.FSDPStrategy"
-    process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
-    timeout: float = 1800  # seconds any collective may wait
-    start_method: str = "popen"  # popen | spawn | fork
     shard: Any = "auto"  # auto, or module class names: [Block]
     reshard_after_forward: bool = True
     cpu_offload: bool = False

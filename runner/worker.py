@@ -206,14 +206,12 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, as another user's
+        pass
     return True
 
 
