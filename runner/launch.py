@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -10,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Iterator, Literal
@@ -86,6 +89,7 @@ class ElasticLauncher:
         from runner import worker
 
         scratch = tempfile.mkdtemp(prefix="runner-elastic-")  # error files of the workers
+        stop = _StopForwarder(self.shutdown_timeout)
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -99,6 +103,7 @@ class ElasticLauncher:
             logs_specs=DefaultLogsSpecs(log_dir=scratch),
             local_addr="127.0.0.1",
             shutdown_timeout=self.shutdown_timeout,
+            **stop.agent_signals(),
         )
         if self.start_method == "popen":
             entrypoint, args = sys.executable, ("-m", "runner.worker", str(config_file), str(run_dir))
@@ -108,18 +113,101 @@ class ElasticLauncher:
         elastic_log = logging.getLogger("torch.distributed.elastic")
         level, elastic_log.level = elastic_log.level, logging.CRITICAL
         try:
-            with _worker_environment(self.num_processes, deterministic):
+            with _worker_environment(self.num_processes, deterministic), stop.installed():
                 elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
+            if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C
+                raise JobStopped(stop.signum, run_dir) from None
             rank = _first_cause(err.failures)
             others = "".join(f"\nthen rank {other}: {_summary(failure)}"
                              for other, failure in sorted(err.failures.items()) if other != rank)
             raise WorkerFailed(rank, _describe(rank, err.failures[rank]) + others) from None
-        except SignalException as err:  # the agent already passed the signal on and waited for the workers
-            raise JobStopped(int(err.sigval), run_dir) from None
+        except SignalException as err:  # the agent passed the signal on and waited for the workers
+            raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
         finally:
             elastic_log.setLevel(level)
             shutil.rmtree(scratch, ignore_errors=True)
+        if stop.signum:  # the workers stopped at a step, saved and returned
+            raise JobStopped(stop.signum, run_dir)
+
+
+class _StopForwarder:
+    """The launcher's own handling of SIGTERM, SIGINT and SIGHUP while its workers run (Linux).
+
+    torchelastic's agent, on such a signal, passes it on and then waits for the workers to *die*; but a spawn or
+    fork worker that has stopped, saved and returned waits for the agent to collect its result, which an agent
+    shutting down never does: the job ended only at the agent's SIGKILL, 30 s later. Here the agent is told to
+    leave these signals alone (LaunchConfig.signals_to_handle); the launcher passes each one on to its workers
+    and the agent keeps collecting them, so the job ends as soon as they have saved. If they have not ended
+    `grace` seconds after the first signal, or on a second Ctrl-C, the agent kills them, with no restart.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, grace: int) -> None:
+        from torch.distributed.launcher.api import LaunchConfig
+
+        self.grace = grace
+        self.signum = 0
+        self._timer: threading.Timer | None = None
+        self._expired = False
+        self.active = (Path("/proc/self/stat").exists() and threading.current_thread() is threading.main_thread()
+                       and "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)})
+
+    def agent_signals(self) -> dict[str, str]:
+        """LaunchConfig's setting: the signals the agent handles itself (SIGQUIT alone, when this one is active)."""
+        return {"signals_to_handle": "SIGQUIT"} if self.active else {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if not self.active:
+            yield  # the agent's own handling
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        try:
+            yield
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self._expired or (signum == signal.SIGINT and self.signum):
+            raise SignalException("the workers did not stop in time, or Ctrl-C came twice", signal.SIGKILL)
+        self.signum = self.signum or signum
+        workers = _children()
+        if not workers:  # none started yet: the agent ends the job
+            raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        if self._timer is None:
+            self._timer = threading.Timer(self.grace, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        """The grace is over: the handler, run again in the main thread, has the agent kill the workers."""
+        self._expired = True
+        _thread.interrupt_main(self.signum)
+
+
+def _children() -> list[int]:
+    """This process's worker processes: its children, less multiprocessing's resource tracker."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rpartition(")")[2].split()[1])  # the fields after the name: state, ppid, ...
+        if parent == os.getpid() and b"multiprocessing.resource_tracker" not in command:
+            found.append(int(pid))
+    return found
 
 
 # What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
