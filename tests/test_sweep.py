@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import DictConfig
+
 
 def installed(module: str) -> bool:
     try:
@@ -169,7 +170,7 @@ def test_best_job_follows_the_direction_and_skips_failed_jobs(direction: str, pi
     assert best_job(rows, "val/loss", direction)["job"] == pick
 
 
-def _sweeper_config(direction: str, *hydra_overrides: str) -> "DictConfig":
+def _sweeper_config(direction: str, *hydra_overrides: str) -> DictConfig:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"objective": "val/acc", "direction": direction,

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 import runner
 from conftest import TINY, compose_config, load_checkpoint, read_events
