@@ -134,11 +134,12 @@ def test_ctrl_c_twice_under_the_launcher_stops_now(tmp_path: Path, start_method:
     started = time.monotonic()
     os.killpg(job.pid, signal.SIGINT)
     _, stderr = job.communicate(timeout=60)
-    assert time.monotonic() - started < 2.5, stderr
+    assert time.monotonic() - started < 5, stderr
     assert job.returncode == 128 + signal.SIGINT, stderr
     assert "stopped by SIGINT before the first checkpoint: nothing was saved" in stderr
     assert "Traceback" not in stderr
     assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
+    assert not (run_dir / "checkpoints" / "last.ckpt").exists(), "no worker may go on to save after the job ended"
 
 
 def test_max_restarts_resumes_after_a_failure_and_finishes(tmp_path: Path) -> None:
