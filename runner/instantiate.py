@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import random
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -114,6 +116,12 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
         try:
             with torch.no_grad():
                 module(batch)
+        except TypeError as error:
+            if not re.search(r"forward\(\) (got an unexpected keyword|missing \d+ required)", str(error)):
+                return None
+            keys = f" with the keys {', '.join(map(str, batch))}" if isinstance(batch, dict) else ""
+            return (f"model ({cfg.model._target_}) cannot be called on the batches of data ({cfg.data._target_})"
+                    f"{keys}: {_one_line(error)}")
         except (RuntimeError, ValueError, IndexError, BatchError) as error:
             if "meta" in str(error).lower():  # an operation the meta device cannot run: not a size problem
                 return None
@@ -128,6 +136,17 @@ def _sizes(group: str, node: DictConfig) -> str:
     values = OmegaConf.to_container(node, resolve=True)
     return ", ".join(f"{group}.{k}={v}" for k, v in values.items()
                      if _is_int(v) and k not in _NOT_SIZES) or f"{group}: no integer settings"
+
+
+@contextlib.contextmanager
+def _quiet_runner_log() -> Iterator[None]:
+    """A trial build's log lines are not the run's."""
+    runner_log = logging.getLogger("runner")
+    disabled, runner_log.disabled = runner_log.disabled, True
+    try:
+        yield
+    finally:
+        runner_log.disabled = disabled
 
 
 @contextlib.contextmanager
@@ -167,6 +186,18 @@ def _monitor_defaults(cfg: DictConfig, spec: DictConfig) -> dict:
     return {key: value for key, value in defaults.items() if key in spec and spec[key] is None}
 
 
+def _guessed_modes(cfg: DictConfig) -> Iterator[str]:
+    """A callback monitoring another metric than the objective cannot take `direction` as its mode: say which."""
+    node = cfg.get("callbacks")
+    objective = cfg.get("objective", "val/loss")
+    for name, spec in node.items() if OmegaConf.is_dict(node) else ():
+        if (OmegaConf.is_dict(spec) and "mode" in spec and spec.get("mode") is None
+                and spec.get("monitor") not in (None, objective)):
+            yield (f"callbacks.{name}.monitor={spec.monitor} is not the objective ({objective}), so "
+                   f"direction={cfg.get('direction', 'minimize')} says nothing about it: set "
+                   f"callbacks.{name}.mode=max (larger is better) or mode=min")
+
+
 def build_callbacks(cfg: DictConfig) -> Any:
     """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
     from runner.callbacks import Callbacks
@@ -183,6 +214,9 @@ def build_callbacks(cfg: DictConfig) -> Any:
             raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
                                "group, or +callbacks.<name>._target_=<class>)"])
         built[str(name)] = instantiate(spec, **_monitor_defaults(cfg, spec))
+    problems = list(_guessed_modes(cfg))
+    if problems:
+        raise ConfigError(problems)
     return Callbacks(built)
 
 
@@ -453,9 +487,9 @@ def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
     if optimizer is None:
         return
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_runner_log():
             warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no training here
-            # A schedule over the run's steps gets a stand-in count; the worker passes the real one.
+            # A schedule over the run's steps gets a stand-in count; the worker passes the real one (and warns).
             scheduler = build_scheduler(cfg, optimizer, total_steps=max(cfg.trainer.max_steps, 2))
             for _ in range(2):
                 scheduler.step()
@@ -511,6 +545,7 @@ def _check_callbacks(cfg: DictConfig) -> Iterator[str]:
     if OmegaConf.is_dict(node):  # each callback's keys against its class, naming the allowed ones
         keyed = [p for name, spec in node.items() if OmegaConf.is_dict(spec) and "_target_" in spec
                  for p in check_settings(f"callbacks.{name}", OmegaConf.merge(spec, _monitor_defaults(cfg, spec)))]
+        keyed += _guessed_modes(cfg)
         if keyed:
             yield from keyed
             return

@@ -181,7 +181,6 @@ class Loop:
         self.stop_vote = StopVote(strategy, stop_requested)
         self._stop_reason: Optional[str] = None  # a callback asked to end the run (early stopping)
         self.weights = StepWeights(task.task, strategy, train.batch_size, self.schedule.accumulate)
-        self._train_preds = self.metrics.wants("train")
         self._sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step
         self._names: tuple[str, ...] = ()
         self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
@@ -241,7 +240,8 @@ class Loop:
         scale, stats, last = self.weights.start(window), [], len(window) - 1
         for index, batch in enumerate(window):
             with self.strategy.backward_sync(self.wrapped, enabled=index == last):
-                out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch), self._train_preds)
+                out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch),
+                                                  self.metrics.wants("train"))
                 loss = self.task.batch_loss(out)
                 self.precision.backward(loss * scale())
             if not self.guard.check(loss):

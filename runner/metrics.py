@@ -107,7 +107,9 @@ class MeanAbsoluteError(MeanSquaredError):
 class F1Score(SumMetric):
     """Multiclass F1 from per-class true positive, false positive and false negative counts.
 
-    `average`: macro (the mean of the per-class F1), micro (F1 of the pooled counts) or weighted (by support).
+    `average`: macro (the mean of the per-class F1 over the classes that occur in the targets or predictions,
+    as torchmetrics' MulticlassF1Score averages), micro (F1 of the pooled counts) or weighted (by support).
+    A class id outside 0..num_classes-1, in the targets or the predictions, is an error when computed.
     """
 
     def __init__(self, num_classes: int, average: Literal["macro", "micro", "weighted"] = "macro") -> None:
@@ -115,23 +117,32 @@ class F1Score(SumMetric):
             raise ValueError(f"num_classes={num_classes} must be an integer >= 2")
         if average not in ("macro", "micro", "weighted"):
             raise ValueError(f"average={average!r} is not allowed: use macro, micro or weighted")
-        super().__init__((3, num_classes))
+        super().__init__((4, num_classes))  # true positives, false positives, false negatives; [3, 0]: ids outside
         self.num_classes, self.average = num_classes, average
 
     def batch_sums(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         predicted, c = _labels(preds), self.num_classes
-        true_positive = torch.bincount(target[predicted == target], minlength=c)[:c]
-        predicted_count = torch.bincount(predicted, minlength=c)[:c]
-        support = torch.bincount(target, minlength=c)[:c]
-        return torch.stack([true_positive, predicted_count - true_positive, support - true_positive])
+        inside = (target >= 0) & (target < c) & (predicted >= 0) & (predicted < c)
+        predicted, target = predicted[inside], target[inside]
+        true_positive = torch.bincount(target[predicted == target], minlength=c)
+        predicted_count = torch.bincount(predicted, minlength=c)
+        support = torch.bincount(target, minlength=c)
+        outside = torch.zeros_like(support)
+        outside[0] = (~inside).sum()
+        return torch.stack([true_positive, predicted_count - true_positive, support - true_positive, outside])
 
     def value(self, total: torch.Tensor) -> torch.Tensor:
-        tp, fp, fn = total
+        tp, fp, fn, outside = total
+        if outside[0] > 0:
+            raise BatchError(f"F1Score(num_classes={self.num_classes}) was given {int(outside[0])} sample(s) whose "
+                             f"target or predicted class is outside 0..{self.num_classes - 1}: set its num_classes "
+                             "to the number of classes the model scores")
         if self.average == "micro":
             return 2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum()).clamp_min(1)
         f1 = 2 * tp / (2 * tp + fp + fn).clamp_min(1)
         if self.average == "macro":
-            return f1.mean()
+            present = (tp + fp + fn) > 0
+            return f1[present].sum() / present.sum().clamp_min(1)
         support = tp + fn
         return (f1 * support).sum() / support.sum().clamp_min(1)
 
@@ -141,6 +152,7 @@ class MetricSet:
 
     def __init__(self, metrics: Mapping[str, tuple[Any, tuple[str, ...]]], strategy: Any) -> None:
         self.by_stage: dict[str, dict[str, Any]] = {stage: {} for stage in STAGES}
+        self._tried = False
         for name, (metric, stages) in metrics.items():
             for stage in stages:
                 # A metric logged in both stages keeps one state per stage.
@@ -148,19 +160,55 @@ class MetricSet:
                                                      strategy)
 
     def wants(self, stage: str) -> bool:
-        return bool(self.by_stage[stage])
+        """Whether `stage`'s steps must give predictions (training's first step does for a trial of the others)."""
+        return bool(self.by_stage[stage]) or (stage == "train" and self._untried)
+
+    @property
+    def _untried(self) -> bool:
+        return not self._tried and any(self.by_stage[s] for s in STAGES[1:])
 
     def update(self, stage: str, out: Mapping[str, Any]) -> None:
-        for metric in self.by_stage[stage].values():
-            metric.update(out["preds"], out["target"])
+        if stage == "train" and self._untried:
+            # A metric that cannot take this task's predictions fails at training's first step, not after the
+            # training at the first validation: a throwaway copy of each takes that step's outputs.
+            self._tried = True
+            for other in STAGES[1:]:
+                for name, metric in self.by_stage[other].items():
+                    trial = _updated(name, copy.deepcopy(metric), out)
+                    if isinstance(trial, SumMetric):  # its value on this process alone: no collective
+                        _named(name, trial.value, trial.total)
+        for name, metric in self.by_stage[stage].items():
+            _updated(name, metric, out)
 
     def compute(self, stage: str, prefix: Optional[str] = None) -> dict[str, float]:
         """`<prefix>/<name>` values (prefix: the stage) over every process, then a fresh state for the next round."""
         values: dict[str, float] = {}
         for name, metric in self.by_stage[stage].items():
-            values.update(_scalar_values(f"{prefix or stage}/{name}", metric.compute()))
+            values.update(_scalar_values(f"{prefix or stage}/{name}", _named(name, metric.compute)))
             metric.reset()
         return values
+
+
+def _named(name: str, call: Callable[..., Any], *args: Any) -> Any:
+    """A metric's own refusal (a BatchError) says which metric of the config it is."""
+    try:
+        return call(*args)
+    except BatchError as error:
+        raise BatchError(f"metrics.{name}: {error}") from None
+
+
+def _updated(name: str, metric: Any, out: Mapping[str, Any]) -> Any:
+    try:
+        metric.update(out["preds"], out["target"])
+        return metric
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        preds, target = out["preds"], out["target"]
+        shapes = (f"preds {tuple(preds.shape)} {str(preds.dtype).replace('torch.', '')}, target "
+                  f"{tuple(target.shape)} {str(target.dtype).replace('torch.', '')}"
+                  if isinstance(preds, torch.Tensor) and isinstance(target, torch.Tensor) else "")
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise BatchError(f"metrics.{name} ({type(metric).__name__}) cannot take this task's predictions and "
+                         f"targets ({shapes}): {type(error).__name__}: {first}") from None
 
 
 def _placed(metric: Any, strategy: Any) -> Any:

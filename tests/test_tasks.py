@@ -395,3 +395,55 @@ def test_model_task_errors_reach_the_command_line_as_one_line(tmp_path: Path, ta
     assert "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
     assert re.search(message, result.stderr), result.stderr
+
+
+def test_a_metric_that_cannot_take_the_tasks_outputs_fails_at_the_first_step(make_cfg: MakeCfg,
+                                                                             tmp_path: Path) -> None:
+    """Not after the training, at the first validation: a copy of each validation metric tries step 1's outputs."""
+    for overrides, message in (
+            (("+metrics.mse._target_=runner.metrics.MeanSquaredError",),
+             r"metrics\.mse \(MeanSquaredError\) cannot take this task's predictions and targets \(preds \(16, 4\) "
+             r"float32, target \(16,\) int64\): RuntimeError"),
+            (("+metrics.f1._target_=runner.metrics.F1Score", "+metrics.f1.num_classes=2"),
+             r"metrics\.f1: F1Score\(num_classes=2\) was given \d+ sample\(s\) whose target or predicted class is "
+             r"outside 0\.\.1")):
+        run_dir = tmp_path / overrides[-1].replace("/", "_")
+        with pytest.raises(BatchError, match=message):
+            runner.fit(make_cfg(*overrides, "trainer.max_steps=50", "trainer.val_check_interval=50"), run_dir=run_dir)
+        assert "step 2/" not in (run_dir / "runner.log").read_text()
+
+
+def test_builtin_f1_averages_over_the_classes_present_and_refuses_ids_outside_its_classes() -> None:
+    from torchmetrics.classification import MulticlassF1Score
+
+    from runner.metrics import F1Score
+
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 3, (50,), generator=generator)  # class 3 is never a target...
+    preds = torch.randn(50, 4, generator=generator)
+    preds[:, 3] = -10  # ...nor predicted
+    for average in ("macro", "micro", "weighted"):
+        ours, theirs = F1Score(4, average), MulticlassF1Score(4, average=average)
+        ours.update(preds, target)
+        theirs.update(preds, target)
+        assert float(ours.compute()) == pytest.approx(float(theirs.compute()), abs=1e-6)
+    narrow = F1Score(2)
+    narrow.update(preds, target)
+    with pytest.raises(BatchError, match=r"F1Score\(num_classes=2\) was given \d+ sample\(s\)"):
+        narrow.compute()
+
+
+def test_a_class_id_the_model_has_no_score_for_names_the_setting(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    with pytest.raises(BatchError, match=r"task=classification: Target \d is out of bounds for a model giving 2 "
+                                         r"scores per sample: the model's number of classes \(e\.g\. model\.num_classes\)"):
+        runner.fit(make_cfg("model.num_classes=2"), run_dir=tmp_path)
+
+
+def test_a_model_that_does_not_take_the_batch_keys_is_refused_before_the_first_step(make_cfg: MakeCfg,
+                                                                                    tmp_path: Path) -> None:
+    cfg = lm_cfg(make_cfg, "task=model", dict_batches=True)  # TinyCausalLM.forward(input_ids): no labels
+    with pytest.raises(ConfigError, match=r"model \(lm_fixtures\.TinyCausalLM\) cannot be called on the batches of "
+                                          r"data \(lm_fixtures\.PaddedSequences\) with the keys input_ids, labels: "
+                                          r"TypeError: .*forward\(\) got an unexpected keyword argument 'labels'"):
+        runner.fit(cfg, run_dir=tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

@@ -67,7 +67,7 @@ class ClassificationTask(_Supervised):
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
         self._check(logits, targets)
-        loss = F.cross_entropy(logits, targets, reduction="sum", label_smoothing=self.label_smoothing)
+        loss = _cross_entropy(self.name, logits, targets, reduction="sum", label_smoothing=self.label_smoothing)
         labels = targets if targets.dim() == 1 else targets.argmax(dim=1)
         detached = logits.detach()
         if len(self.top_k) == 1:
@@ -172,8 +172,8 @@ class LanguageModelTask(_Supervised):
                              f"returned {tuple(logits.shape)} for targets {tuple(targets.shape)} "
                              f"{str(targets.dtype).replace('torch.', '')}")
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        loss = F.cross_entropy(flat_logits, flat_targets, ignore_index=self.ignore_index, reduction="sum",
-                               label_smoothing=self.label_smoothing)
+        loss = _cross_entropy(self.name, flat_logits, flat_targets, ignore_index=self.ignore_index, reduction="sum",
+                              label_smoothing=self.label_smoothing)
         tokens = (flat_targets != self.ignore_index).sum()
         return {"loss": loss, "stats": stats_row(len(targets), tokens, loss)}
 
@@ -190,3 +190,13 @@ class LanguageModelTask(_Supervised):
     def compute(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["loss"] / max(sums["units"], 1.0)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+
+def _cross_entropy(task: str, logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> torch.Tensor:
+    """F.cross_entropy, with a class id the logits have no score for named as a settings mismatch (on the CPU)."""
+    try:
+        return F.cross_entropy(logits, targets, **options)
+    except IndexError as error:  # "Target 7 is out of bounds."
+        raise BatchError(f"task={task}: {str(error).rstrip('.')} for a model giving {logits.shape[-1]} scores per "
+                         "sample: the model's number of classes (e.g. model.num_classes) must exceed every class id "
+                         "of the data") from None
