@@ -8,9 +8,11 @@ its state (the step count) is checkpointed with the run.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -20,6 +22,13 @@ def _check(total_steps: int, warmup_steps: int, floor: float, floor_name: str) -
         raise ValueError(f"scheduler.total_steps={total_steps} must be a positive number of optimizer steps")
     if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
         raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be 0 or a positive number of optimizer steps")
+    # A warning, not an error: a smoke test of a config runs a few steps. Said once, by the first process.
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if warmup_steps >= total_steps and first:
+        logging.getLogger("runner").warning(
+            "scheduler.warmup_steps=%d is not below this run's %d optimizer steps (scheduler.total_steps): the rate "
+            "rises for the whole run and never decays; warm up over fewer steps, or train for more",
+            warmup_steps, total_steps)
     if not (isinstance(floor, (int, float)) and 0.0 <= floor <= 1.0):
         raise ValueError(f"scheduler.{floor_name}={floor} must be a fraction of the initial rate in [0, 1]")
 

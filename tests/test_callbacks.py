@@ -118,7 +118,8 @@ def test_monitor_and_mode_follow_the_objective(make_cfg: MakeCfg, tmp_path: Path
 
 
 def test_a_monitor_nobody_logs_is_refused_at_the_first_validation(make_cfg: MakeCfg, tmp_path: Path) -> None:
-    cfg = make_cfg("callbacks=early_stopping", "callbacks.early_stopping.monitor=val/f1", "trainer.max_steps=3")
+    cfg = make_cfg("callbacks=early_stopping", "callbacks.early_stopping.monitor=val/f1",
+                   "callbacks.early_stopping.mode=max", "trainer.max_steps=3")
     with pytest.raises(CallbackError, match=r"callbacks\.early_stopping\.monitor=val/f1 is not logged at "
                                             r"validation; the metrics are: .*val/acc, val/loss"):
         runner.fit(cfg, run_dir=tmp_path)
@@ -138,6 +139,10 @@ def test_a_monitor_nobody_logs_is_refused_at_the_first_validation(make_cfg: Make
      r"callbacks\.early_stopping\.patiense is not a setting of callbacks\.early_stopping .*did you mean patience.*"
      r"allowed: min_delta, mode, monitor, patience"),
     (("callbacks=early_stopping", "callbacks.early_stopping.patience=many"), r"callbacks\.early_stopping\.patience=many"),
+    # direction=minimize is about val/loss: a larger val/acc is better, so the mode must be said.
+    (("callbacks=[early_stopping,model_checkpoint]", "callbacks.model_checkpoint.monitor=val/acc"),
+     r"callbacks\.model_checkpoint\.monitor=val/acc is not the objective \(val/loss\), so direction=minimize says "
+     r"nothing about it: set callbacks\.model_checkpoint\.mode=max \(larger is better\) or mode=min"),
 ])
 def test_bad_callback_settings_are_refused_with_one_message(make_cfg: MakeCfg, tmp_path: Path, overrides: tuple,
                                                             message: str) -> None:

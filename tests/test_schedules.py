@@ -92,3 +92,10 @@ def test_bad_schedule_settings_name_the_key(make_cfg: MakeCfg, tmp_path: Path, o
     with pytest.raises(ConfigError, match=message):
         runner.fit(make_cfg(*overrides), run_dir=tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_warm_up_as_long_as_the_run_is_named_in_the_log(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    """The default 100 warm-up steps in a 6-step run never reach the decay: a warning, since smoke tests are short."""
+    runner.fit(make_cfg("scheduler=warmup_cosine", "trainer.max_steps=6"), run_dir=tmp_path)
+    assert ("scheduler.warmup_steps=100 is not below this run's 6 optimizer steps (scheduler.total_steps): the rate "
+            "rises for the whole run and never decays") in (tmp_path / "runner.log").read_text()
