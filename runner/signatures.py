@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 
 from hydra.utils import get_method
 from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 _EMPTY = inspect.Parameter.empty
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -64,7 +65,14 @@ def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, .
                 yield (f"{key}.{name} is not a setting of {key} ({node._target_}){suggest(str(name), names)}; "
                        f"allowed: {', '.join(names) if names else 'none'}")
             continue
-        problem = _type_problem(allowed[name], node[name])
+        try:
+            value = node[name]
+        except InterpolationResolutionError as error:  # e.g. ${data.num_features} of data that has none
+            raw = OmegaConf.to_container(node, resolve=False)[name]
+            yield (f"{key}.{name}={raw} cannot be worked out: {str(error).splitlines()[0]}; set {key}.{name} "
+                   "to a value")
+            continue
+        problem = _type_problem(allowed[name], value)
         if problem:
             yield f"{key}.{name}={_show(node[name])} {problem} ({node._target_})"
 

@@ -111,6 +111,9 @@ BAD_INPUT = [
     ("warmup-negative", ["scheduler=warmup_cosine", "scheduler.warmup_steps=-1"],
      "scheduler.warmup_steps=-1 must be 0 or a positive number"),
     ("metric-not-a-metric", ["+metrics.f1._target_=collections.OrderedDict"], "is not a metric"),
+    # A width taken from a data setting that the user's data does not have.
+    ("interpolation-to-nothing", ["model.in_features=${{data.width}}"],  # braces doubled for str.format
+     "model.in_features=${{data.width}} cannot be worked out: Interpolation key 'data.width' not found"),
     ("fsdp-shard-class", ["strategy=fsdp", "strategy.shard=[Block]"],
      "strategy.shard=Block: the model (MLP) has no submodule of that class; it has Sequential, Linear, ReLU"),
     ("fsdp-checkpointing-class", ["strategy=fsdp", "strategy.activation_checkpointing=[Linear,Attention]"],
