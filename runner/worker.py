@@ -260,6 +260,9 @@ def run_from_file(config_file: str, run_dir: str) -> None:
         # Out of the terminal's process group, like popen workers: a Ctrl-C reaches them once, through the
         # launcher, rather than twice (the second would mean "stop now, no checkpoint").
         os.setsid()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))  # a forked worker inherited its parent's pool, one thread per core
     parent = os.getppid()
     cfg = OmegaConf.load(config_file)
     try:

@@ -46,6 +46,7 @@ class EnvProbe(nn.Module):
         super().__init__()
         self.linear = nn.Linear(in_features, num_classes)
         seen = {key: os.environ.get(key) for key in PROBED_VARIABLES}
+        seen["torch_threads"] = torch.get_num_threads()
         Path(out_dir, f"env_{os.environ.get('RANK', 'none')}.json").write_text(json.dumps(seen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

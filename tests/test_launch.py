@@ -36,7 +36,8 @@ print(json.dumps({"changed": changed, "step": metrics["step"]}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("omp, start_method, deterministic", [(None, "popen", False), ("3", "spawn", True)])
+@pytest.mark.parametrize("omp, start_method, deterministic", [(None, "popen", False), ("3", "spawn", True),
+                                                               (None, "fork", False)])
 def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[str], start_method: str,
                                                  deterministic: bool) -> None:
     probes = tmp_path / "probes"
@@ -59,6 +60,7 @@ def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[s
         assert worker["MASTER_ADDR"] == "127.0.0.1"
         assert int(worker["MASTER_PORT"]) > 0
         assert worker["OMP_NUM_THREADS"] == expected_threads
+        assert worker["torch_threads"] == int(expected_threads)  # a forked worker too, whatever its parent had
         # Deterministic CUDA matmuls need this set before the worker first touches cuBLAS.
         assert worker["CUBLAS_WORKSPACE_CONFIG"] == (":4096:8" if deterministic else None)
     assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
