@@ -122,7 +122,9 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         return None
     if metrics.get("stopped_early"):
         signum = metrics.get("stop_signal") or 0
-        print(f"error: {stop_message(signum, job_dir)}", file=sys.stderr)
+        external = _external_environment()
+        if external is None or external.global_rank() == 0:  # other ranks' Hydra folders hold no checkpoint
+            print(f"error: {stop_message(signum, job_dir)}", file=sys.stderr)
         if not multirun:
             sys.exit(128 + signum if signum else 1)
         failed_jobs.append(str(job_dir))
