@@ -109,9 +109,14 @@ class ElasticLauncher:
             entrypoint, args = sys.executable, ("-m", "runner.worker", str(config_file), str(run_dir))
         else:
             entrypoint, args = worker.run_from_file, (str(config_file), str(run_dir))
-        # The agent's own log lines repeat what WorkerFailed reports (rank, exit code, traceback).
-        elastic_log = logging.getLogger("torch.distributed.elastic")
-        level, elastic_log.level = elastic_log.level, logging.CRITICAL
+        # The agent's own log lines repeat what WorkerFailed and JobStopped report (rank, exit code, traceback,
+        # signal); torch sets a level on each of its modules' loggers, so each is quietened.
+        elastic_logs = [logging.getLogger("torch.distributed.elastic")] + [
+            logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+            if name.startswith("torch.distributed.elastic.")]
+        levels = [logger.level for logger in elastic_logs]
+        for logger in elastic_logs:
+            logger.setLevel(logging.CRITICAL)
         try:
             with _worker_environment(self.num_processes, deterministic), stop.installed():
                 elastic_launch(config, entrypoint)(*args)
@@ -125,7 +130,8 @@ class ElasticLauncher:
         except SignalException as err:  # the agent passed the signal on and waited for the workers
             raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
         finally:
-            elastic_log.setLevel(level)
+            for logger, level in zip(elastic_logs, levels):
+                logger.setLevel(level)
             shutil.rmtree(scratch, ignore_errors=True)
         if stop.signum:  # the workers stopped at a step, saved and returned
             raise JobStopped(stop.signum, run_dir)
