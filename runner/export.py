@@ -30,6 +30,7 @@ def checkpoint_of(source: Path) -> Path:
 def export(source: Path, target: Path) -> dict[str, torch.Tensor]:
     """Write the model weights of the checkpoint at (or the run folder) `source` to `target`; returns them."""
     path = checkpoint_of(Path(source))
+    _check_target(path, Path(target))
     if sharded.is_sharded(path):
         checkpoint = sharded.read(path)
     else:
@@ -39,6 +40,21 @@ def export(source: Path, target: Path) -> dict[str, torch.Tensor]:
     weights = {key: value.contiguous() for key, value in checkpoint["model"].items()}
     TorchCheckpointIO(checksum=False).save_checkpoint(weights, target)  # nothing but the model's keys
     return weights
+
+
+def _check_target(source: Path, target: Path) -> None:
+    """Never replace a training checkpoint (the source above all) by bare weights."""
+    resolved = target.resolve()
+    if resolved == source.resolve() or source.resolve() in resolved.parents:
+        raise CheckpointError(f"{target} is the checkpoint being exported: write the weights to another file")
+    if target.is_file():
+        try:
+            existing = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - not a checkpoint we could read: any other file may be replaced
+            return
+        if isinstance(existing, dict) and {"model", "optimizer", "step"} <= existing.keys():
+            raise CheckpointError(f"{target} is a training checkpoint (step {existing['step']}); exporting over it "
+                                  "would lose its optimizer and position: write the weights to another file")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -118,6 +118,13 @@ def test_export_gives_a_state_dict_the_plain_model_loads(runs: dict[str, Path], 
         assert torch.equal(model.state_dict()[key], tensor)
     assert export_main([str(tmp_path / "nothing"), str(tmp_path / "w.pt")]) == 1
     assert f"error: checkpoint not found: {tmp_path / 'nothing'}" in capsys.readouterr().err
+    # Bare weights never replace a training checkpoint: the one exported, or another.
+    assert export_main([str(runs["fsdp"]), str(last(runs["fsdp"]) / "state.pt")]) == 1
+    assert "is the checkpoint being exported" in capsys.readouterr().err
+    kept = last(runs["ddp"]).read_bytes()
+    assert export_main([str(runs["fsdp"]), str(last(runs["ddp"]))]) == 1
+    assert "is a training checkpoint (step 12)" in capsys.readouterr().err
+    assert last(runs["ddp"]).read_bytes() == kept
 
 
 def test_bf16_mixed_activation_checkpointing_async_saves_and_best_checkpoints(runs: dict[str, Path],
