@@ -211,7 +211,7 @@ def test_missing_file(tmp_path):
     assert str(info.value) == f"checkpoint not found: {path}"
 
 
-@pytest.mark.parametrize("damage", ["random bytes", "truncated", "empty"])
+@pytest.mark.parametrize("damage", ["random bytes", "truncated", "empty", "text", "flipped name"])
 def test_corrupt_file(tmp_path, damage):
     path = tmp_path / "last.ckpt"
     TorchCheckpointIO().save_checkpoint(_checkpoint(), path)
@@ -220,13 +220,18 @@ def test_corrupt_file(tmp_path, damage):
         "random bytes": torch.randint(0, 256, (512,), dtype=torch.uint8).numpy().tobytes(),
         "truncated": good[: len(good) // 2],
         "empty": b"",
+        "text": b"not a checkpoint\n" * 10,
+        # One flipped bit in the name of a class the pickle needs: a global that does not exist.
+        "flipped name": good.replace(b"OrderedDict", b"OrderedDicu", 1),
     }[damage]
+    assert damaged != good
     path.write_bytes(damaged)
     with pytest.raises(CheckpointError) as info:
         TorchCheckpointIO().load_checkpoint(path)
     message = str(info.value)
     assert message.startswith(f"cannot load checkpoint {path}: ")
-    assert message.endswith("; checkpoints must hold only tensors, dicts, lists and numbers")
+    # Not "must hold only tensors": the bytes are bad, not what was saved.
+    assert message.endswith("; the file is damaged, truncated or not a checkpoint; use an earlier checkpoint")
     assert "\n" not in message and len(message) < 400
     assert message.split(": ", 1)[1].split(";")[0].strip()  # a reason is given
 

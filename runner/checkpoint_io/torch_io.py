@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import secrets
@@ -51,10 +52,9 @@ class TorchCheckpointIO(CheckpointIO):
         except FileNotFoundError as err:
             raise CheckpointError(f"checkpoint not found: {path}") from err
         except Exception as err:
-            raise CheckpointError(
-                f"cannot load checkpoint {path}: {_load_reason(err)}; "
-                "checkpoints must hold only tensors, dicts, lists and numbers"
-            ) from err
+            advice = ("the file is damaged, truncated or not a checkpoint; use an earlier checkpoint" if _damaged(err)
+                      else "checkpoints must hold only tensors, dicts, lists and numbers")
+            raise CheckpointError(f"cannot load checkpoint {path}: {_load_reason(err)}; {advice}") from err
         if not isinstance(checkpoint, dict):
             raise CheckpointError(
                 f"cannot load checkpoint {path}: it holds a {type(checkpoint).__name__}, "
@@ -153,12 +153,34 @@ def _one_line(err: BaseException) -> str:
     return text or f"{type(err).__name__} (the file is empty or truncated)"
 
 
+def _damaged(err: BaseException) -> bool:
+    """A load failure from the bytes themselves, not from objects torch's weights-only loader refuses.
+
+    A flipped byte in the pickle shows up as an opcode the loader does not know or a global that does not
+    exist (`collections.OrderddDict`); a global that exists was saved on purpose, and the file is fine.
+    """
+    text = _one_line(err)
+    if isinstance(err, (OSError, EOFError, KeyError)) or re.search(r"PytorchStreamReader|ZIP archive|central directory|"
+                                                         r"Unsupported operand|invalid load key|truncated", text):
+        return True
+    unsupported = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if unsupported:
+        module, _, name = unsupported.group(1).rpartition(".")
+        try:
+            return not hasattr(importlib.import_module(module), name)
+        except Exception:  # noqa: BLE001 - no such module: the name was damaged
+            return True
+    return False
+
+
 def _load_reason(err: BaseException) -> str:
     # torch's weights-only refusal is several paragraphs; the useful part follows this marker.
     text = _one_line(err)
     marker = "WeightsUnpickler error:"
     if marker in text:
         text = text.split(marker, 1)[1].split("Check the documentation", 1)[0].strip()
+    elif isinstance(err, KeyError):  # torch's reader of its legacy format, on bytes of another kind
+        text = f"not a torch file (KeyError {text})"
     elif isinstance(err, OSError) and err.filename is None:
         # A read past the end of a truncated zip surfaces as a bare errno such as EINVAL.
         text = f"the file is corrupt or truncated ({text})"
