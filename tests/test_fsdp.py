@@ -4,6 +4,7 @@ of processes and under other strategies, that survive a kill mid-save, and that 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from torch import nn
 import runner
 from _dist import run_ranks
 from conftest import TINY, compose_config
-from runner.checkpoint_io import sharded
+from runner.checkpoint_io import CheckpointError, sharded
 from runner.export import main as export_main
 from runner.models import MLP
 
@@ -125,6 +126,20 @@ def test_export_gives_a_state_dict_the_plain_model_loads(runs: dict[str, Path], 
     assert export_main([str(runs["fsdp"]), str(last(runs["ddp"]))]) == 1
     assert "is a training checkpoint (step 12)" in capsys.readouterr().err
     assert last(runs["ddp"]).read_bytes() == kept
+
+
+def test_a_truncated_shard_is_named_in_one_line(runs: dict[str, Path], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    damaged = tmp_path / "last.ckpt"
+    shutil.copytree(last(runs["fsdp"]), damaged)
+    shard = damaged / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    message = (f"cannot load sharded checkpoint {damaged}: RuntimeError: PytorchStreamReader failed reading zip "
+               "archive: failed finding central directory; a shard file is damaged or truncated")
+    assert export_main([str(damaged), str(tmp_path / "w.pt")]) == 1
+    assert message in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match=re.escape(message)):  # resumed whole, on one process
+        fit(tmp_path / "run", "trainer.max_steps=14", f"trainer.ckpt_path={damaged}", "data.batch_size=32")
 
 
 def test_bf16_mixed_activation_checkpointing_async_saves_and_best_checkpoints(runs: dict[str, Path],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -123,6 +124,7 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     collective = allocate is not None and dist.is_initialized()
@@ -141,8 +143,24 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
         node[where[-1]] = allocate(where, item.size, item.properties.dtype, rest)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process reading: meant
-        dcp.load(tensors, storage_reader=reader, process_group=process_group, no_dist=not collective)
+        try:
+            dcp.load(tensors, storage_reader=reader, process_group=process_group, no_dist=not collective)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's gathers every rank's failures
+            from runner.checkpoint_io import CheckpointError
+
+            raise CheckpointError(f"cannot load sharded checkpoint {path}: {_reason(err)}; a shard file is damaged "
+                                  "or truncated (sharded folders carry no checksum yet); use an earlier "
+                                  "checkpoint") from None
     return join(tensors, rest)
+
+
+def _reason(err: BaseException) -> str:
+    """The last `SomeError: message` line of a (possibly multi-rank, traceback-laden) failure, else its first."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
+    text = errors[-1] if errors else lines[0] if lines else type(err).__name__
+    first_sentence = re.match(r"(.+?)\.(\s|$)", text)
+    return (first_sentence.group(1) if first_sentence else text)[:300]
 
 
 def skeleton(path: Any) -> dict:
