@@ -35,13 +35,16 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, known)
 
 
-# What a checkpoint found by `last`/`best` outside the run folder must share with this run's config.
+# What a checkpoint found by `last`/`best` outside the run folder must share with this run's config: to train on,
+# its whole training setup; to validate, test or predict with, what it computes.
 SAME_RUN_KEYS = ("model", "data", "task", "optimizer", "scheduler")
+SAME_MODEL_KEYS = ("model", "data", "task")
 
 
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """`trainer.ckpt_path`: a file; or `last`/`best`: this run folder's last.ckpt/best.ckpt, else the newest one of
-    a run of the same config (model, data, task, optimizer, scheduler) under the output root."""
+    a run of the same config under the output root (model, data, task, optimizer and scheduler to train on;
+    model, data and task to validate, test or predict with)."""
     value = cfg.trainer.ckpt_path
     if value in (None, ""):
         return None
@@ -53,9 +56,10 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         log.info("trainer.ckpt_path=%s: %s (this run folder's)", value, own)
         return str(own.resolve())
     root = output_root(run_dir)
-    mine = _signature(OmegaConf.to_container(cfg, resolve=True))
+    keys = SAME_RUN_KEYS if cfg.get("stage", "fit") == "fit" else SAME_MODEL_KEYS
+    mine = _signature(OmegaConf.to_container(cfg, resolve=True), keys)
     found = [p for pattern in (f"*/checkpoints/{name}", f"*/*/checkpoints/{name}") for p in root.glob(pattern)
-             if _signature(_resolved_of(p.parent.parent)) == mine]
+             if _signature(_resolved_of(p.parent.parent), keys) == mine]
     if found:
         newest = max(found, key=lambda p: p.stat().st_mtime)
         log.warning("trainer.ckpt_path=%s: using %s, the newest %s of a run of this config under %s", value, newest,
@@ -75,8 +79,8 @@ def output_root(run_dir: Path) -> Path:
     return parent.parent if re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name) else parent
 
 
-def _signature(config: Any) -> Any:
-    return None if not isinstance(config, dict) else {key: config.get(key) for key in SAME_RUN_KEYS}
+def _signature(config: Any, keys: tuple[str, ...]) -> Any:
+    return None if not isinstance(config, dict) else {key: config.get(key) for key in keys}
 
 
 def _resolved_of(run_dir: Path) -> Any:
