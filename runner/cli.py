@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
@@ -88,6 +89,30 @@ def _quote_numeric_choices(argv: list[str]) -> list[str]:
 
 def _report(error: BaseException) -> None:
     print(f"error: {error}", file=sys.stderr)
+
+
+class RunFolders(Callback):
+    """A run or sweep folder Hydra cannot create (a read-only file system, a file in its path) is one line,
+    said before Hydra's own mkdir fails with a traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_folder(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _check_folder(folder: str, key: str) -> None:
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        reason = f"{existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable (a read-only file system, or another user's folder)"
+    else:
+        return
+    _report(ConfigError([f"{key}={folder} cannot be created or written: {reason}"]))
+    raise SystemExit(1)
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

@@ -217,3 +217,16 @@ def test_bad_input_through_the_command_line(name: str, tmp_path: Path) -> None:
     assert "Traceback" not in result.stdout + result.stderr, result.stderr
     assert any(expected in line for line in result.stderr.splitlines()), result.stderr
     assert written_beyond_hydra(run_dir) == set()
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_a_run_folder_hydra_cannot_create_is_one_line(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """A file in the folder's path here; a read-only file system reads the same (as root, only that one can be)."""
+    (tmp_path / "afile").write_text("")
+    key = "hydra.run.dir" if mode == "run" else "hydra.sweep.dir"
+    args = [*(["-m", "trainer.max_steps=2,3"] if mode == "sweep" else []), *BASE, f"{key}={tmp_path / 'afile' / 'run'}"]
+    code, output = run_main(args, monkeypatch, capsys)
+    assert code == 1, output
+    assert "Traceback" not in output, output
+    assert f"{key}={tmp_path / 'afile' / 'run'} cannot be created or written: {tmp_path / 'afile'} is a file" in output
