@@ -70,6 +70,27 @@ def _worker_environment(num_processes: int, deterministic: bool) -> Iterator[Non
         os.environ.update(saved)
 
 
+SCRATCH_PREFIX = "runner-elastic-"
+
+
+def remove_stale_scratch() -> None:
+    """The temporary folders of launchers that were killed (SIGKILL leaves no time to remove them)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = folder.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)) and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
+
+
 class ElasticLauncher:
     """`num_processes` workers on this node, each running `runner.worker` on the resolved config file."""
 
@@ -88,7 +109,8 @@ class ElasticLauncher:
 
         from runner import worker
 
-        scratch = tempfile.mkdtemp(prefix="runner-elastic-")  # error files of the workers
+        remove_stale_scratch()
+        scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # error files of the workers
         stop = _StopForwarder(self.shutdown_timeout)
         config = LaunchConfig(
             min_nodes=1,

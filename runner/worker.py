@@ -29,6 +29,7 @@ from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
+from runner.launch import alive
 from runner.logs import apply_job_logging
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
@@ -195,7 +196,7 @@ def remove_stale_temporaries(run_dir: Path) -> None:
     for folder in (run_dir, run_dir / "checkpoints"):
         for path in folder.iterdir() if folder.is_dir() else ():
             match = _TEMPORARY.search(path.name)
-            if match and path.is_file() and not _alive(int(match.group(1))):
+            if match and path.is_file() and not alive(int(match.group(1))):
                 stale.append(path)
     for path in stale:
         with contextlib.suppress(OSError):
@@ -203,16 +204,6 @@ def remove_stale_temporaries(run_dir: Path) -> None:
     if stale:
         log.warning("removed %d half-written file(s) an earlier, killed process left: %s", len(stale),
                     ", ".join(p.name for p in stale))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, as another user's
-        pass
-    return True
 
 
 def _requeue_slurm_job() -> None:

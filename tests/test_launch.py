@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -131,3 +132,18 @@ def test_of_two_real_failures_the_earlier_one_is_the_cause(tmp_path: Path) -> No
     assert _first_cause(failures) == 1
     failures[0] = _failure(tmp_path, 0, 1, "Traceback...\nValueError: as early", timestamp=100)
     assert _first_cause(failures) == 0  # a tie goes to the lower rank
+
+
+def test_the_temporary_folders_of_killed_launchers_are_removed_at_the_next_launch(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.launch import SCRATCH_PREFIX, remove_stale_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    stale = tmp_path / f"{SCRATCH_PREFIX}{gone.pid}-abc"
+    mine = tmp_path / f"{SCRATCH_PREFIX}{os.getpid()}-def"
+    (stale / "run" / "attempt_0" / "0").mkdir(parents=True)
+    mine.mkdir()
+    remove_stale_scratch()
+    assert not stale.exists() and mine.exists()
