@@ -598,7 +598,18 @@ def _check_metrics(cfg: DictConfig) -> Iterator[str]:
         try:  # built, not bound: torchmetrics takes **kwargs and checks them itself
             instantiate(spec)
         except Exception as error:  # noqa: BLE001
-            yield f"metrics.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
+            yield (f"metrics.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
+                   f"{_unknown_settings(f'metrics.{name}', spec, target)}")
+
+
+def _unknown_settings(key: str, spec: DictConfig, target: Any) -> str:
+    """Keys that only a **kwargs took, which is where a misspelt one goes: `num_class` for `num_classes`."""
+    from runner.signatures import parameters, suggest
+
+    named = [n for n, p in (parameters(target) or {}).items()
+             if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) and n != "self"]
+    unknown = [str(k) for k in spec if not str(k).startswith("_") and str(k) not in named]
+    return "".join(f"; {key}.{k} is not one of its parameters{suggest(k, named)}" for k in unknown) if named else ""
 
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:

@@ -356,6 +356,9 @@ def test_a_metric_can_be_the_objective_of_a_sweep_job(make_cfg: MakeCfg, tmp_pat
     (("+metrics.bad._target_=torch.nn.Linear", "+metrics.bad.in_features=2", "+metrics.bad.out_features=2"),
      r"metrics\.bad\._target_=torch\.nn\.Linear is not a metric: a metric has update\(preds, target\)"),
     (("+metrics.f1._target_=runner.metrics.F1Score",), r"metrics\.f1 \(runner\.metrics\.F1Score\) does not accept"),
+    (("+metrics.f1._target_=torchmetrics.classification.MulticlassF1Score", "+metrics.f1.num_class=4"),
+     r"missing 1 required positional argument: 'num_classes'; metrics\.f1\.num_class is not one of its parameters "
+     r"\(did you mean num_classes\?\)"),
     (("+metrics.f1._target_=runner.metrics.F1Score", "+metrics.f1.num_classes=4", "+metrics.f1._stages_=[test]"),
      r"metrics\.f1\._stages_=\['test'\] is not allowed"),
     (("task.top_k=[1,5]",), r"task\.top_k=\[1, 5\] asks for more than data\.num_classes=4"),
