@@ -144,11 +144,11 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
 
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
-    if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():
-        log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
-                    "(trainer.ckpt_path=last continues it instead)", run_dir)
     validate(cfg, ckpt_path)
     check_writable(cfg, run_dir)
+    if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():  # said once the run will start
+        log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
+                    "(trainer.ckpt_path=last continues it instead)", run_dir)
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and os.environ.get("TORCHELASTIC_RUN_ID"):
