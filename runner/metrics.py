@@ -159,9 +159,12 @@ class MetricSet:
                 self.by_stage[stage][name] = _placed(metric if stage == stages[0] else copy.deepcopy(metric),
                                                      strategy)
 
-    def wants(self, stage: str) -> bool:
-        """Whether `stage`'s steps must give predictions (training's first step does for a trial of the others)."""
-        return bool(self.by_stage[stage]) or (stage == "train" and self._untried)
+    def wants(self, stage: str) -> Any:
+        """Whether `stage`'s steps must give predictions: True, False, or "if given" for training's first step,
+        whose predictions, when the task has them, try the validation metrics out."""
+        if self.by_stage[stage]:
+            return True
+        return "if given" if stage == "train" and self._untried else False
 
     @property
     def _untried(self) -> bool:
@@ -171,8 +174,9 @@ class MetricSet:
         if stage == "train" and self._untried:
             # A metric that cannot take this task's predictions fails at training's first step, not after the
             # training at the first validation: a throwaway copy of each takes that step's outputs.
+            # (Not when the step gave none: task=model's model may leave them out when training.)
             self._tried = True
-            for other in STAGES[1:]:
+            for other in STAGES[1:] if "preds" in out else ():
                 for name, metric in self.by_stage[other].items():
                     trial = _updated(name, copy.deepcopy(metric), out)
                     if isinstance(trial, SumMetric):  # its value on this process alone: no collective

@@ -111,3 +111,17 @@ class VectorLoss(NoLoss):
 
     def forward(self, batch: Any) -> dict:
         return {"loss": super().forward(batch)["logits"].sum(dim=1)}
+
+
+class LossOnlyWhenTraining(nn.Module):
+    """Wraps the hf_style classifier: in training it returns its loss alone, no logits (to save their copy)."""
+
+    def __init__(self, vocab_size: int = 64, dim: int = 32, num_labels: int = 2) -> None:
+        super().__init__()
+        from runner.examples.hf_style import BagOfEmbeddingsClassifier
+
+        self.inner = BagOfEmbeddingsClassifier(vocab_size=vocab_size, dim=dim, num_labels=num_labels)
+
+    def forward(self, **batch: Any) -> dict[str, Any]:
+        out = self.inner(**batch)
+        return {"loss": out["loss"]} if self.training else out

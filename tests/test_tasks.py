@@ -450,3 +450,11 @@ def test_a_model_that_does_not_take_the_batch_keys_is_refused_before_the_first_s
                                           r"TypeError: .*forward\(\) got an unexpected keyword argument 'labels'"):
         runner.fit(cfg, run_dir=tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_model_without_logits_in_training_still_trains_and_validates_its_metrics(tmp_path: Path) -> None:
+    """The first step's trial of the validation metrics needs predictions; a model that gives none is let be."""
+    cfg = compose_config([*TINY_RUN, "experiment=hf_style", "model._target_=lm_fixtures.LossOnlyWhenTraining",
+                          "data.num_samples=64", "data.val_samples=33", "trainer.max_steps=3"])
+    metrics = runner.fit(cfg, run_dir=tmp_path)
+    assert metrics["step"] == 3 and 0.0 <= metrics["val/f1"] <= 1.0

@@ -51,7 +51,7 @@ class ModelTask(Task):
         """The batch size once the model is known to report no `count`; None (ask the model) until then."""
         return leading_size(batch) if self._reports_count is False else None
 
-    def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: bool) -> dict[str, Any]:
+    def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: Any) -> dict[str, Any]:
         with precision.forward_context():
             output = call_model(model, precision.convert_input(batch))
         loss, count, scalars = self._loss(output), field(output, "count"), _scalars(output)
@@ -66,7 +66,11 @@ class ModelTask(Task):
                         device=loss.device) * count for name in self._names or ()))
         out = {"loss": loss_sum, "stats": row}
         if with_preds:
-            out["preds"], out["target"] = self._preds(output, batch)
+            try:
+                out["preds"], out["target"] = self._preds(output, batch)
+            except BatchError:
+                if with_preds is True:  # not for a trial of the validation metrics ("if given")
+                    raise  # a model may leave its logits out when training
         return out
 
     def _loss(self, output: Any) -> torch.Tensor:
