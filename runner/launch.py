@@ -53,9 +53,10 @@ class WorkerFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def _worker_environment(num_processes: int, deterministic: bool) -> Iterator[None]:
+def _worker_environment(num_processes: int, deterministic: bool, registry: Path) -> Iterator[None]:
     """Variables the workers inherit, set only around their start and restored afterwards."""
     saved = dict(os.environ)
+    os.environ[WORKER_REGISTRY] = str(registry)
     if "OMP_NUM_THREADS" not in os.environ:
         # Workers sharing the cores evenly beat each starting one thread per core.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
@@ -71,6 +72,8 @@ def _worker_environment(num_processes: int, deterministic: bool) -> Iterator[Non
 
 
 SCRATCH_PREFIX = "runner-elastic-"
+# The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
+WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
 
 
 def remove_stale_scratch() -> None:
@@ -111,7 +114,9 @@ class ElasticLauncher:
 
         remove_stale_scratch()
         scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # error files of the workers
-        stop = _StopForwarder(self.shutdown_timeout)
+        registry = Path(scratch) / "workers"  # each worker adds a file named by its pid (runner.worker)
+        registry.mkdir()
+        stop = _StopForwarder(self.shutdown_timeout, registry)
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -140,7 +145,7 @@ class ElasticLauncher:
         for logger in elastic_logs:
             logger.setLevel(logging.CRITICAL)
         try:
-            with _worker_environment(self.num_processes, deterministic), stop.installed():
+            with _worker_environment(self.num_processes, deterministic, registry), stop.installed():
                 elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
             if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C
@@ -172,10 +177,10 @@ class _StopForwarder:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    def __init__(self, grace: int) -> None:
+    def __init__(self, grace: int, registry: Path) -> None:
         from torch.distributed.launcher.api import LaunchConfig
 
-        self.grace = grace
+        self.grace, self.registry = grace, registry
         self.signum = 0
         self._timer: threading.Timer | None = None
         self._expired = False
@@ -206,8 +211,8 @@ class _StopForwarder:
         if self._expired or (signum == signal.SIGINT and self.signum):
             raise SignalException("the workers did not stop in time, or Ctrl-C came twice", signal.SIGKILL)
         self.signum = self.signum or signum
-        workers = _children()
-        if not workers:  # none started yet: the agent ends the job
+        workers = _workers(self.registry)
+        if not workers:  # none running yet: the agent ends the job
             raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -223,18 +228,16 @@ class _StopForwarder:
         _thread.interrupt_main(self.signum)
 
 
-def _children() -> list[int]:
-    """This process's worker processes: its children, less multiprocessing's resource tracker."""
+def _workers(registry: Path) -> list[int]:
+    """The pids the workers registered that are still this process's children (none is another's by now)."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for entry in registry.iterdir() if registry.is_dir() else ():
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:  # ended
             continue
-        parent = int(stat.rpartition(")")[2].split()[1])  # the fields after the name: state, ppid, ...
-        if parent == os.getpid() and b"multiprocessing.resource_tracker" not in command:
-            found.append(int(pid))
+        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():  # the fields after the name: state, ppid, ...
+            found.append(int(entry.name))
     return found
 
 

@@ -29,7 +29,7 @@ from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
-from runner.launch import alive
+from runner.launch import WORKER_REGISTRY, alive
 from runner.logs import apply_job_logging
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
@@ -251,6 +251,10 @@ def run_from_file(config_file: str, run_dir: str) -> None:
         # Out of the terminal's process group, like popen workers: a Ctrl-C reaches them once, through the
         # launcher, rather than twice (the second would mean "stop now, no checkpoint").
         os.setsid()
+    registry = os.environ.get(WORKER_REGISTRY)
+    if registry:  # where the launcher looks for the processes to pass stop signals to
+        with contextlib.suppress(OSError):
+            Path(registry, str(os.getpid())).touch()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         torch.set_num_threads(int(threads))  # a forked worker inherited its parent's pool, one thread per core

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -317,3 +318,34 @@ def test_workers_end_when_the_parent_is_killed(tmp_path: Path, start_method: str
     job.communicate(timeout=10)
     assert wait_for(lambda: not processes_mentioning(str(run_dir)), 30)  # spawned ones too: none waits for it
     assert step_of(run_dir / "checkpoints" / "last.ckpt") > 0  # they still stopped at a step and saved
+
+
+# A program of the user's with a child process of its own, fitting with DDP through runner.fit.
+PROGRAM_WITH_A_CHILD = """
+import subprocess, sys
+import runner
+helper = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(helper.pid, flush=True)
+try:
+    runner.fit(runner.compose(sys.argv[2:]), run_dir=sys.argv[1])
+except Exception as error:
+    print(type(error).__name__, error, file=sys.stderr)
+    sys.exit(3)
+"""
+
+
+def test_a_stop_signal_goes_to_the_workers_not_to_other_children_of_the_program(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-c", PROGRAM_WITH_A_CHILD, str(run_dir), *DDP2, *TINY, *SLOW],
+                           cwd=tmp_path, env={**env(), "RELIABILITY_TEST_RUN": str(run_dir)}, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    helper = int(job.stdout.readline())
+    try:
+        assert wait_for(lambda: training(run_dir), 60), job.communicate(timeout=5)
+        os.kill(job.pid, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 3 and "JobStopped stopped by SIGTERM at step" in stderr, stderr
+        assert Path(f"/proc/{helper}").exists(), "the program's own child got the signal too"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(helper, signal.SIGKILL)
