@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import assert_ok, assert_one_run_folder, run_cli, torchrun
+from _dist import assert_ok, assert_one_run_folder, clean_environ, run_cli, torchrun
 from conftest import read_events
 
 pytestmark = pytest.mark.slow  # each test starts 2 processes from a fresh interpreter
@@ -33,20 +33,23 @@ def test_two_processes_one_run_folder(tmp_path: Path, start_method: str) -> None
 
 
 def test_torchrun_with_run_dir(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = torchrun([*TWO_CPU, *SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    result = torchrun([*TWO_CPU, *SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=clean_environ(TMPDIR=str(tmp)))
     assert_ok(result)
     assert_one_run_folder(run_dir)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tmp"]
+    assert not list(tmp.glob("runner-*")), "a finished torchrun job leaves no temporary folder of the runner's"
     assert "starting 2 worker processes" not in result.stderr + result.stdout  # torchrun made them
 
 
-def test_torchrun_default_run_dir_is_created_once(tmp_path: Path) -> None:
-    result = torchrun([*TWO_CPU, *SHORT], cwd=tmp_path)
+def test_torchrun_default_run_dir_is_created_once_and_devices_auto_takes_its_processes(tmp_path: Path) -> None:
+    result = torchrun([o for o in TWO_CPU if o != "trainer.devices=2"] + SHORT, cwd=tmp_path)
     assert_ok(result)
     runs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(runs) == 1, runs  # rank 1 composes the same config but must not create a folder of its own
     assert_one_run_folder(runs[0])
+    assert "x 2 process(es)" in (runs[0] / "runner.log").read_text()  # devices=auto: the 2 torchrun started
 
 
 def test_torchrun_world_size_mismatch_fails_before_training(tmp_path: Path) -> None:
@@ -87,14 +90,6 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
         assert [value for _, value in two] == pytest.approx([value for _, value in one], abs=1e-5), tag
 
 
-def test_torchrun_with_devices_auto_takes_the_processes_torchrun_started(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = torchrun(["strategy=ddp", "accelerator=cpu", *SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert_ok(result)
-    assert_one_run_folder(run_dir)
-    assert "x 2 process(es)" in (run_dir / "runner.log").read_text()
-
-
 def test_torchrun_leaves_no_temporary_folder_even_when_killed(tmp_path: Path) -> None:
     """Ranks > 0 make no folder of their own, so not even SIGKILL can leave one behind."""
     import os
@@ -103,12 +98,9 @@ def test_torchrun_leaves_no_temporary_folder_even_when_killed(tmp_path: Path) ->
     import sys
     import time
 
-    from _dist import clean_environ
-
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = clean_environ(TMPDIR=str(tmp))
-    assert_ok(torchrun([*TWO_CPU, *SHORT, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env))
     run_dir = tmp_path / "killed"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                             "-m", "runner", *TWO_CPU, *SHORT, "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"],
