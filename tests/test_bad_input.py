@@ -127,6 +127,10 @@ BAD_INPUT = [
 ]
 
 
+# Under pytest -n, the module's tests stay in one test process, which runs this fixture once for all.
+pytestmark = pytest.mark.xdist_group("bad_input")
+
+
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A corrupt file, and a checkpoint of the tiny run trained with SGD (whose state AdamW cannot continue)."""

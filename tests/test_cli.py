@@ -105,6 +105,10 @@ BAD_INPUT = [
 ]
 
 
+# Under pytest -n, the module's tests stay in one test process, which runs this fixture once for all.
+pytestmark = pytest.mark.xdist_group("cli")
+
+
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Future]]]:
     """Start every bad-input run at once (each is mostly interpreter start-up); each test waits for its own."""

@@ -124,6 +124,10 @@ def two_rank_scenario(rank: int) -> dict[str, Any]:
     return out
 
 
+# Under pytest -n, the module's tests stay in one test process, which runs this fixture once for all.
+pytestmark = pytest.mark.xdist_group("ddp")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     return run_ranks(two_rank_scenario, world_size=2, timeout=90)

@@ -20,7 +20,8 @@ from runner.checkpoint_io import CheckpointError, sharded
 from runner.export import main as export_main
 from runner.models import MLP
 
-pytestmark = pytest.mark.slow  # whole runs of 2 (and 4) processes
+# slow: whole runs of 2 (and 4) processes; one test process runs the module's straight runs (`runs`) for all.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
 
 # 256 samples / global batch 32: 8 steps an epoch, so the stop at step 6 falls mid-epoch.
 BASE = (*[o for o in TINY if not o.startswith(("logger.", "strategy=", "trainer.devices", "data.batch_size"))],

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import CONF_DIR, REPO, clean_environ
 
-pytestmark = pytest.mark.slow  # builds a wheel and starts a dozen interpreters
+# slow: builds a wheel and starts a dozen interpreters; one test process builds and installs it for all.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
 
 SHORT = ["trainer.max_steps=3", "data.num_samples=256", "data.val_samples=64", "trainer.log_every_n_steps=1"]
 
