@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -143,6 +144,8 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
             sys.exit(128 + error.signum if hasattr(error, "signum") else 1)
         if os.getpid() != _main_pid:  # a parallel launcher's worker: let the launcher see the failure
             raise
+        if hasattr(error, "signum"):  # JobStopped: a signal stops the whole sweep, not this job alone
+            _end_stopped_sweep(error.signum, job_dir)
         failed_jobs.append(str(job_dir))
         return None
     if metrics.get("stopped_early"):
@@ -152,12 +155,19 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
             print(f"error: {stop_message(signum, job_dir)}", file=sys.stderr)
         if not multirun:
             sys.exit(128 + signum if signum else 1)
-        failed_jobs.append(str(job_dir))
+        _end_stopped_sweep(signum, job_dir)
     if multirun and cfg.objective not in metrics:
         known = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
         print(f"warning: objective={cfg.objective} is not a metric of job {job_dir.name} ({known}); "
               "the sweeper gets no value for it", file=sys.stderr)
     return metrics.get(cfg.objective)
+
+
+def _end_stopped_sweep(signum: int, job_dir: Path) -> None:
+    """A stop signal ends the sweep: the jobs after this one do not start (Hydra's launcher runs no more)."""
+    print(f"error: the sweep stopped at job {job_dir.name}; the same command again skips the finished jobs and "
+          "resumes this one", file=sys.stderr)
+    sys.exit(128 + signum if signum else 1)
 
 
 def _expected(error: BaseException) -> bool:
@@ -181,7 +191,11 @@ def main() -> None:
         _report(ConfigError(problems))
         sys.exit(1)
     sys.argv[1:] = _prepare_external_launch(_quote_numeric_choices(sys.argv[1:]))
-    hydra_main()
+    try:
+        hydra_main()
+    except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
+        print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     if failed_jobs:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
         sys.exit(1)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError, make_unique_dir
+from runner.entry import end_with_parent
 from runner.instantiate import build_strategy, validate
 from runner.launch import ElasticLauncher
 
@@ -152,7 +153,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and os.environ.get("TORCHELASTIC_RUN_ID"):
-        worker.end_with_parent()  # torchrun's ranks lead sessions of their own: none may outlive a killed torchrun
+        end_with_parent()  # torchrun's ranks lead sessions of their own: none may outlive a killed torchrun
     if _external(strategy) and strategy.global_rank != 0:
         # torchrun or srun started this rank: rank 0 writes the run folder, whose path it broadcasts.
         return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -13,9 +14,12 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator, Literal
+
+from runner.entry import SAME_REQUEST_S, WORKER_REGISTRY
 
 StartMethod = Literal["popen", "spawn", "fork"]
 
@@ -72,8 +76,6 @@ def _worker_environment(num_processes: int, deterministic: bool, registry: Path)
 
 
 SCRATCH_PREFIX = "runner-elastic-"
-# The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
-WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
 
 
 def remove_stale_scratch() -> None:
@@ -95,7 +97,7 @@ def alive(pid: int) -> bool:
 
 
 class ElasticLauncher:
-    """`num_processes` workers on this node, each running `runner.worker` on the resolved config file."""
+    """`num_processes` workers on this node, each running `runner.entry` on the resolved config file."""
 
     def __init__(self, num_processes: int, start_method: StartMethod = "popen", max_restarts: int = 0,
                  shutdown_timeout: int = 30) -> None:
@@ -110,11 +112,13 @@ class ElasticLauncher:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        from runner import worker
+        from runner import entry
 
+        # Loaded here, a forked worker finds the worker code (and torch) imported already.
+        importlib.import_module("runner.worker")
         remove_stale_scratch()
         scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # error files of the workers
-        registry = Path(scratch) / "workers"  # each worker adds a file named by its pid (runner.worker)
+        registry = Path(scratch) / "workers"  # each worker adds a file named by its pid (runner.entry)
         registry.mkdir()
         stop = _StopForwarder(self.shutdown_timeout, registry)
         config = LaunchConfig(
@@ -133,9 +137,9 @@ class ElasticLauncher:
             **stop.agent_signals(),
         )
         if self.start_method == "popen":
-            entrypoint, args = sys.executable, ("-m", "runner.worker", str(config_file), str(run_dir))
+            entrypoint, args = sys.executable, ("-m", "runner.entry", str(config_file), str(run_dir))
         else:
-            entrypoint, args = worker.run_from_file, (str(config_file), str(run_dir))
+            entrypoint, args = entry.main, (str(config_file), str(run_dir))
         # The agent's own log lines repeat what WorkerFailed and JobStopped report (rank, exit code, traceback,
         # signal); torch sets a level on each of its modules' loggers, so each is quietened.
         elastic_logs = [logging.getLogger("torch.distributed.elastic")] + [
@@ -182,6 +186,7 @@ class _StopForwarder:
 
         self.grace, self.registry = grace, registry
         self.signum = 0
+        self._since = 0.0  # when the first signal came
         self._timer: threading.Timer | None = None
         self._expired = False
         self.active = (Path("/proc/self/stat").exists() and threading.current_thread() is threading.main_thread()
@@ -208,12 +213,16 @@ class _StopForwarder:
     def _handle(self, signum: int, frame: object) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        if self._expired or (signum == signal.SIGINT and self.signum):
+        repeat = self.signum and time.monotonic() - self._since < SAME_REQUEST_S  # the same request again
+        if self._expired or (signum == signal.SIGINT and self.signum and not repeat):
             raise SignalException("the workers did not stop in time, or Ctrl-C came twice", signal.SIGKILL)
-        self.signum = self.signum or signum
+        if repeat:
+            return  # the workers have it already
+        if not self.signum:
+            self.signum, self._since = signum, time.monotonic()
         workers = _workers(self.registry)
-        if not workers:  # none running yet: the agent ends the job
-            raise SignalException(f"received {signal.Signals(signum).name}", signal.Signals(signum))
+        if not workers:  # none has started its Python yet: the agent ends them, with no traceback of theirs
+            raise SignalException(f"received {signal.Signals(signum).name}", signal.SIGTERM)
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)

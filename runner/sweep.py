@@ -71,10 +71,11 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
     start = time.time()
     try:
         metrics = fit(cfg, job_dir)
-        status["status"] = "failed" if metrics.get("stopped_early") else "ok"
+        status["status"] = "stopped" if metrics.get("stopped_early") else "ok"
         return metrics
     except BaseException as error:
-        status.update(status="failed", error=" ".join(str(error).split())[:500] or type(error).__name__)
+        status.update(status="stopped" if hasattr(error, "signum") else "failed",  # JobStopped: by a signal
+                      error=" ".join(str(error).split())[:500] or type(error).__name__)
         raise
     finally:
         status["wall_time_s"] = round(time.time() - start, 2)

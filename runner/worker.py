@@ -29,14 +29,13 @@ from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
-from runner.launch import WORKER_REGISTRY, alive
+from runner.entry import SAME_REQUEST_S, STOP_SIGNALS
+from runner.launch import alive
 from runner.logs import apply_job_logging
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
-# SIGHUP too: a closed terminal or SSH session reaches the launcher, which passes it on to the workers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -54,16 +53,17 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal = 0
+        self._since = 0.0
 
     def __call__(self) -> int:
         return self.signal
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal:
-            if signum == signal.SIGINT:  # Ctrl-C twice: stop now, without a checkpoint
-                raise KeyboardInterrupt
+            if signum == signal.SIGINT and time.monotonic() - self._since >= SAME_REQUEST_S:
+                raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
             return  # a repeated SIGTERM/SIGUSR1 (several senders, or a re-sent notice) changes nothing
-        self.signal = signum
+        self.signal, self._since = signum, time.monotonic()
         log.warning("received %s: stopping after this step or the next (once every process knows), after "
                     "saving last.ckpt", signal.Signals(signum).name)
 
@@ -229,36 +229,19 @@ def _restart_checkpoint(run_dir: Path) -> Any:
     return str(last) if last.exists() else None
 
 
-def end_with_parent() -> None:
-    """Linux: SIGTERM this worker when its launcher dies, even by SIGKILL, so no orphan keeps training."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own shutdown still ends the workers in the usual cases
-
-
 @record
-def run_from_file(config_file: str, run_dir: str) -> None:
-    """Entry point of a launched worker: the resolved config was written by the parent."""
+def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
+    """A launched worker, once `runner.entry.main` has set up its process: train the job the parent wrote.
+
+    `parent`: the launcher's pid, from the process's first moments.
+    """
     from omegaconf import OmegaConf
 
     from runner.job import is_user_error
 
-    end_with_parent()
-    with contextlib.suppress(OSError):  # popen workers lead a session already
-        # Out of the terminal's process group, like popen workers: a Ctrl-C reaches them once, through the
-        # launcher, rather than twice (the second would mean "stop now, no checkpoint").
-        os.setsid()
-    registry = os.environ.get(WORKER_REGISTRY)
-    if registry:  # where the launcher looks for the processes to pass stop signals to
-        with contextlib.suppress(OSError):
-            Path(registry, str(os.getpid())).touch()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         torch.set_num_threads(int(threads))  # a forked worker inherited its parent's pool, one thread per core
-    parent = os.getppid()
     cfg = OmegaConf.load(config_file)
     try:
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
@@ -283,7 +266,3 @@ def _report_to_launcher(error: BaseException) -> None:
         detail = {"message": f"{type(error).__name__}: {error}",
                   "extraInfo": {"py_callstack": str(error), "timestamp": str(int(time.time()))}}
         Path(path).write_text(json.dumps({"message": detail}))
-
-
-if __name__ == "__main__":
-    run_from_file(sys.argv[1], sys.argv[2])

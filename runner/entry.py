@@ -1,0 +1,62 @@
+"""The first code of every process the launcher starts (popen: `python -m runner.entry`; spawn and fork: `main`).
+
+It runs before the worker imports torch, which takes seconds. Before that the process leaves the terminal's process
+group (a Ctrl-C reaches it once, through the launcher), arranges to end with the launcher, and takes the stop
+signals: one that comes before the worker can stop at a step ends the process at once and quietly, as there is
+nothing to save yet, rather than with a KeyboardInterrupt traceback per process. Then it leaves its pid where the
+launcher looks for the processes to pass later signals on to, and hands over to `runner.worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+# The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
+WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
+# SIGHUP too: a closed terminal or SSH session reaches the launcher, which passes it on to the workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# One Ctrl-C can arrive twice within milliseconds: from the terminal to the whole process group, and again from a
+# wrapper that passes it on (timeout, a shell script, srun). A second one this soon is the same request, not
+# "Ctrl-C twice: stop now, without saving".
+SAME_REQUEST_S = 0.2
+
+
+def end_with_parent() -> None:
+    """Linux: SIGTERM this process when its launcher dies, even by SIGKILL, so no orphan keeps training."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown still ends the workers in the usual cases
+
+
+def _end_now(signum: int, frame: object) -> None:
+    """End as a process without a handler would: by the signal, printing nothing (nothing needs closing yet)."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def main(config_file: str, run_dir: str) -> None:
+    """Run one launched worker on the resolved config file the launcher wrote."""
+    parent = os.getppid()
+    end_with_parent()
+    with contextlib.suppress(OSError):  # popen workers lead a session already
+        os.setsid()
+    for sig in STOP_SIGNALS:  # a forked worker would otherwise keep the launcher's handlers
+        signal.signal(sig, _end_now)
+    registry = os.environ.get(WORKER_REGISTRY)
+    if registry:
+        with contextlib.suppress(OSError):
+            Path(registry, str(os.getpid())).touch()
+    from runner.worker import run_from_file
+
+    run_from_file(config_file, run_dir, parent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
