@@ -55,6 +55,34 @@ def _monitored(metrics: dict, monitor: str, who: str) -> float:
     return float(metrics[monitor])
 
 
+class ObjectiveCheck:
+    """The job's `objective` (what a sweep optimises, what the summary ranks) must be a metric the run logs.
+
+    Checked where it first could be: a `val/` objective at the first validation, any other at the first training
+    log, so a misspelt name stops the run there instead of every job of a sweep training for nothing.
+    """
+
+    def __init__(self, objective: str) -> None:
+        self.objective = objective
+        self.validated = not objective.startswith("val/")  # test/ and others come at the end: not checked
+        self.logged = objective.startswith(("val/", "test/"))
+
+    def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
+        if not self.validated:
+            self.validated = True
+            self._check(metrics, "at validation")
+
+    def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
+        if not self.logged:
+            self.logged = True
+            self._check({**loop.progress.metrics, **metrics}, "while training")
+
+    def _check(self, metrics: dict, when: str) -> None:
+        if self.objective not in metrics:
+            logged = ", ".join(sorted(k for k in metrics if "/" in k)) or "none"
+            raise CallbackError(f"objective={self.objective} is not logged {when}; the metrics are: {logged}")
+
+
 class _Monitor:
     """A metric to watch at each validation, and which way is better."""
 

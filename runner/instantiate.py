@@ -200,15 +200,16 @@ def _guessed_modes(cfg: DictConfig) -> Iterator[str]:
 
 def build_callbacks(cfg: DictConfig) -> Any:
     """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
-    from runner.callbacks import Callbacks
+    from runner.callbacks import Callbacks, ObjectiveCheck
 
+    checks = {"objective check": ObjectiveCheck(str(cfg.objective))} if cfg.get("objective") else {}
     node = cfg.get("callbacks")
     if node is None:
-        return Callbacks()
+        return Callbacks(checks)
     if not OmegaConf.is_dict(node):
         raise ConfigError([f"callbacks={node} must select options of the callbacks group, e.g. "
                            "callbacks=[early_stopping,model_checkpoint], or callbacks=none"])
-    built = {}
+    built = dict(checks)
     for name, spec in node.items():
         if not OmegaConf.is_dict(spec) or "_target_" not in spec:
             raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "

@@ -125,6 +125,18 @@ def test_a_monitor_nobody_logs_is_refused_at_the_first_validation(make_cfg: Make
         runner.fit(cfg, run_dir=tmp_path)
 
 
+@pytest.mark.parametrize(("objective", "when"), [("val/acc2", "at validation"), ("train/los", "while training")])
+def test_an_objective_nobody_logs_is_refused_where_it_would_first_appear(make_cfg: MakeCfg, tmp_path: Path,
+                                                                         objective: str, when: str) -> None:
+    """A misspelt objective once trained the whole run (every job of a sweep) for a value the sweeper never got."""
+    cfg = make_cfg(f"objective={objective}", "trainer.max_steps=3", "trainer.log_every_n_steps=1")
+    with pytest.raises(CallbackError, match=rf"objective={objective} is not logged {when}; the metrics are: .*train/loss"):
+        runner.fit(cfg, run_dir=tmp_path)
+    assert not (tmp_path / "metrics.json").exists()
+    for logged in ("val/acc", "train/acc", "lr"):
+        assert runner.fit(make_cfg(f"objective={logged}", "trainer.max_steps=3"), run_dir=tmp_path / logged)["step"] == 3
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (("callbacks=model_checkpoint", "callbacks.model_checkpoint.save_top_k=-2"),
      r"callbacks\.model_checkpoint\.save_top_k=-2 is not allowed: use -1 \(keep all\)"),

@@ -117,6 +117,17 @@ def test_classification_refuses_language_model_shapes_and_a_large_top_k() -> Non
         ClassificationTask(top_k=[1, 5]).score(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
 
 
+def test_classification_takes_float_targets_only_as_probabilities() -> None:
+    """Regression targets under task=classification once gave loss 0 and accuracy 1 (one class), or a negative
+    cross-entropy: they are refused, pointing to task=regression; mixed labels (rows summing to 1) train."""
+    with pytest.raises(BatchError, match=r"1 score per sample .*one class cannot be classified; for real-valued"):
+        ClassificationTask().score(torch.randn(4, 1), torch.randn(4, 1))
+    with pytest.raises(BatchError, match=r"float targets \(4, 3\) as class probabilities .*task=regression"):
+        ClassificationTask().score(torch.randn(4, 3), torch.randn(4, 3))
+    mixed = 0.3 * F.one_hot(torch.tensor([0, 1, 2, 0]), 3).float() + 0.7 * F.one_hot(torch.tensor([1, 1, 0, 2]), 3)
+    assert torch.isfinite(ClassificationTask().score(torch.randn(4, 3), mixed)["loss"])
+
+
 def test_regression_refuses_broadcasting_shapes_naming_both() -> None:
     with pytest.raises(BatchError, match=r"output has shape \(8, 1\) but the targets \(8,\)"):
         RegressionTask().score(torch.randn(8, 1), torch.randn(8))

@@ -90,6 +90,8 @@ class ClassificationTask(_Supervised):
                              f"{str(targets.dtype).replace('torch.', '')}{hint}")
         if self.top_k[-1] > classes:
             raise BatchError(f"task.top_k={self.top_k}: {self.top_k[-1]} is more than the model's {classes} classes")
+        if targets.is_floating_point():
+            _check_probabilities(logits, targets)
 
     def compute(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["samples"], 1.0)
@@ -100,6 +102,20 @@ class ClassificationTask(_Supervised):
 
 
 _REGRESSION_LOSSES = ("mse", "l1", "huber")
+
+
+def _check_probabilities(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Float targets (N, C) are class probabilities: refuse others (regression values, scores) by name."""
+    advice = "for real-valued targets use task=regression"
+    if logits.shape[-1] < 2:
+        raise BatchError(f"task=classification: the model gives 1 score per sample and the targets are "
+                         f"{str(targets.dtype).replace('torch.', '')}: one class cannot be classified; {advice}")
+    detached = targets.detach()
+    off = torch.stack([(-detached).max(), detached.max() - 1, (detached.sum(dim=1) - 1).abs().max()]).max()
+    if off.item() > 1e-3:  # a single check of the batch: below 0, above 1, or rows not summing to 1
+        raise BatchError(f"task=classification takes float targets {tuple(targets.shape)} as class probabilities "
+                         f"(each in [0, 1], each row summing to 1), but these are not (values from "
+                         f"{detached.min().item():.4g} to {detached.max().item():.4g}); {advice}, or give class ids")
 
 
 class RegressionTask(_Supervised):
