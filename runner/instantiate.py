@@ -117,9 +117,12 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
             with torch.no_grad():
                 module(batch)
         except TypeError as error:
-            if not re.search(r"forward\(\) (got an unexpected keyword|missing \d+ required)", str(error)):
+            if not re.search(r"forward\(\) (got an unexpected keyword|missing \d+ required)|must be Tensor, not ",
+                             str(error)):
                 return None
-            keys = f" with the keys {', '.join(map(str, batch))}" if isinstance(batch, dict) else ""
+            keys = (f" with the keys {', '.join(map(str, batch))}" if isinstance(batch, dict)
+                    else f" (each a {type(batch).__name__}, which task=model passes to the model whole)"
+                    if not module.task.takes_pairs else "")
             return (f"model ({cfg.model._target_}) cannot be called on the batches of data ({cfg.data._target_})"
                     f"{keys}: {_one_line(error)}")
         except (RuntimeError, ValueError, IndexError, BatchError) as error:

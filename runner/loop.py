@@ -19,7 +19,7 @@ import torch
 from runner.callbacks import Callbacks
 from runner.config import DEFAULT_EPOCHS, ConfigError
 from runner.metrics import MetricSet
-from runner.tasks import StepWeights
+from runner.tasks.base import StepWeights, plural
 
 log = logging.getLogger("runner")
 
@@ -318,7 +318,7 @@ class Loop:
         seconds = max(pending.elapsed, 1e-9)
         metrics = {f"train/{name}": value for name, value in self.task.task.compute(sums).items()}
         metrics.update({"lr": pending.lr, "throughput/samples_per_s": sums["samples"] / seconds,
-                        f"throughput/{self.task.task.unit}s_per_s": sums["units"] / seconds, **pending.extra})
+                        f"throughput/{plural(self.task.task.unit)}_per_s": sums["units"] / seconds, **pending.extra})
         if self.guard.enabled:
             metrics["train/skipped_steps"] = float(pending.skipped)
         self.progress.metrics.update(metrics)

@@ -19,7 +19,7 @@ import runner
 from conftest import TINY, compose_config, load_checkpoint, read_events
 from lm_fixtures import IGNORE, CountingCausalLM, NoLoss, PaddedSequences, TinyCausalLM, VectorLoss
 from runner.config import ConfigError
-from runner.instantiate import validate
+from runner.instantiate import build_data, validate
 from runner.precision import Precision
 from runner.strategies.strategy import move_to_device
 from runner.tasks import BatchError, ClassificationTask, LanguageModelTask, ModelTask, RegressionTask, TaskModule
@@ -469,3 +469,31 @@ def test_a_model_without_logits_in_training_still_trains_and_validates_its_metri
                           "data.num_samples=64", "data.val_samples=33", "trainer.max_steps=3"])
     metrics = runner.fit(cfg, run_dir=tmp_path)
     assert metrics["step"] == 3 and 0.0 <= metrics["val/f1"] <= 1.0
+
+
+def test_predict_gives_the_model_the_inputs_of_one_tensor_and_pair_samples() -> None:
+    """A TensorDataset(x) yields one-tensor samples, batched as [x]: the model gets x, not the list; a supervised
+    task's (inputs, targets) pair gives it the inputs, as in training. task=model gets the batch as it trains."""
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 3), torch.randn(5, 4)
+    expected = model(x).detach()
+    for task in (ClassificationTask(), RegressionTask()):
+        module = TaskModule(model, task, Precision())
+        for batch in ([x], (x,), [x, torch.zeros(5, dtype=torch.long)]):
+            torch.testing.assert_close(module.predict(batch), expected)
+    seen = []
+    TaskModule(lambda batch: seen.append(batch) or {"logits": x}, ModelTask(), Precision()).predict((x, x))
+    assert isinstance(seen[0], tuple) and len(seen[0]) == 2
+
+
+def test_task_model_on_tuple_batches_is_refused_before_start_saying_the_model_gets_the_batch_whole() -> None:
+    cfg = compose_config([*TINY, "task=model"])  # the default MLP on (inputs, targets) pairs
+    with pytest.raises(ConfigError, match=r"cannot be called on the batches of data .*\(each a \w+, which task=model "
+                                          r"passes to the model whole\): TypeError: .*must be Tensor, not"):
+        build_data(cfg)  # each process checks the batches where it builds its data
+
+
+def test_a_unit_given_as_a_plural_is_not_doubled() -> None:
+    from runner.tasks.base import plural
+
+    assert plural("token") == plural("tokens") == "tokens" and plural("sample") == "samples"

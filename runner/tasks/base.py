@@ -111,6 +111,11 @@ def stats_row(*columns: Union[torch.Tensor, float]) -> torch.Tensor:
     return torch.cat(parts).reshape(1, -1)
 
 
+def plural(unit: str) -> str:
+    """`tokens` for the unit `token`, for throughput/<units>_per_s; a unit given as a plural stays as it is."""
+    return unit if unit.endswith("s") else f"{unit}s"
+
+
 class Task:
     """The interface the loop and `TaskModule` use. Subclasses: classification, regression, language_model, model.
 
@@ -123,6 +128,7 @@ class Task:
     unit: str = "sample"
     fixed_units: bool = True
     extra_stats: tuple[str, ...] = ()
+    takes_pairs: bool = False  # batches may be (inputs, targets) pairs, the model getting the inputs
 
     @property
     def stat_names(self) -> tuple[str, ...]:
@@ -160,6 +166,10 @@ class TaskModule(nn.Module):
         target_key = getattr(self.task, "target_key", "labels")
         if fields is not None and target_key in fields:
             batch = {k: v for k, v in fields.items() if k != target_key}
+        elif fields is None and isinstance(batch, (list, tuple)) and len(batch) == 1:
+            batch = batch[0]  # samples of one tensor each (a TensorDataset of inputs): the model gets the tensor
+        elif fields is None and isinstance(batch, (list, tuple)) and len(batch) == 2 and self.task.takes_pairs:
+            batch = batch[0]  # (inputs, targets), as in training: the model gets the inputs
         with self.precision.forward_context():
             output = call_model(self.model, self.precision.convert_input(batch))
         preds = output if isinstance(output, torch.Tensor) else field(output, getattr(self.task, "preds_key", "logits"))

@@ -25,7 +25,7 @@ class ModelTask(Task):
     """Calls `model(**batch)` for a dict batch and `model(batch)` otherwise. The model returns a dict (or an
     object with attributes) holding `loss`, the mean over the batch's units; optionally `count`, how many
     units that mean is over (tokens, say; default the batch size); and other scalars, logged as metrics
-    weighted by `count`. `unit` names what `count` counts, for `throughput/<unit>s_per_s`.
+    weighted by `count`. `unit` names what `count` counts, for `throughput/<unit>s_per_s` (`tokens` or `token`: tokens_per_s).
 
     Metrics in the `metrics` config get the output's `preds_key` entry and the batch's `target_key` entry.
     """

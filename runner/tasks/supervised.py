@@ -22,6 +22,8 @@ def _check_target_key(task: str, target_key: Any) -> str:
 class _Supervised(Task):
     """Calls the model on the batch's inputs; subclasses score its predictions against the targets."""
 
+    takes_pairs = True
+
     def __init__(self, target_key: str) -> None:
         self.target_key = _check_target_key(self.name, target_key)
 
