@@ -75,10 +75,27 @@ def build_data(cfg: DictConfig) -> Any:
     A model that does not fit (an input width other than the data's) fails with the sizes of both.
     """
     data = instantiate(cfg.data)
-    problem = model_data_mismatch(cfg, data)
+    problem = _data_contract(cfg, data) or model_data_mismatch(cfg, data)
     if problem:
         raise ConfigError([problem])
     return data
+
+
+def _data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
+    """What the data object lacks of what the loop reads from it (README, "Your own model and data")."""
+    what = f"data ({cfg.data._target_})"
+    batch_size = getattr(data, "batch_size", None)
+    if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0):
+        return (f"{what} has batch_size={batch_size!r}: a data object needs a positive integer batch_size (per "
+                "process) beside train_dataset")
+    for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
+        dataset = getattr(data, name, None)
+        if dataset is None and name != "train_dataset":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            return (f"{what}.{name} is {type(dataset).__name__}, not a map-style dataset (len() and indexing): "
+                    "each process takes its own samples of it by index, so every sample is seen once")
+    return None
 
 
 def build_task(cfg: DictConfig) -> Any:

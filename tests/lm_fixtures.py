@@ -125,3 +125,23 @@ class LossOnlyWhenTraining(nn.Module):
     def forward(self, **batch: Any) -> dict[str, Any]:
         out = self.inner(**batch)
         return {"loss": out["loss"]} if self.training else out
+
+
+class NoBatchSize:
+    """A data object without the batch_size every data object needs."""
+
+    def __init__(self) -> None:
+        self.train_dataset = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,)))
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+class IterableTrain:
+    """A data object whose train_dataset is an IterableDataset (no len, no indexing)."""
+
+    def __init__(self) -> None:
+        self.batch_size = 8
+        self.train_dataset = _Stream()

@@ -497,3 +497,17 @@ def test_a_unit_given_as_a_plural_is_not_doubled() -> None:
     from runner.tasks.base import plural
 
     assert plural("token") == plural("tokens") == "tokens" and plural("sample") == "samples"
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("lm_fixtures.NoBatchSize", r"data \(lm_fixtures\.NoBatchSize\) has batch_size=None: a data object needs a "
+                                r"positive integer batch_size"),
+    ("lm_fixtures.IterableTrain", r"data \(lm_fixtures\.IterableTrain\)\.train_dataset is _Stream, not a "
+                                  r"map-style dataset"),
+])
+def test_a_data_object_missing_what_the_loop_reads_is_one_line(target: str, message: str) -> None:
+    """Once an AttributeError or `object of type ... has no len()` traceback from inside the loader."""
+    cfg = compose_config([*(o for o in TINY if not o.startswith("data.")), "~data", f"+data._target_={target}",
+                          "model.in_features=32", "model.num_classes=4"])
+    with pytest.raises(ConfigError, match=message):
+        build_data(cfg)
