@@ -47,11 +47,15 @@ class Callbacks:
                 callback.load_state_dict(state[name])
 
 
-def _monitored(metrics: dict, monitor: str, who: str) -> float:
-    if monitor not in metrics:
+def _require_logged(metrics: dict, setting: str, name: str, when: str) -> None:
+    """A metric a setting names (a callback's monitor, the objective) must be among those the run logs."""
+    if name not in metrics:
         logged = ", ".join(sorted(k for k in metrics if "/" in k)) or "none"
-        raise CallbackError(f"callbacks.{who}.monitor={monitor} is not logged at validation; the metrics are: "
-                            f"{logged}")
+        raise CallbackError(f"{setting}={name} is not logged {when}; the metrics are: {logged}")
+
+
+def _monitored(metrics: dict, monitor: str, who: str) -> float:
+    _require_logged(metrics, f"callbacks.{who}.monitor", monitor, "at validation")
     return float(metrics[monitor])
 
 
@@ -70,17 +74,12 @@ class ObjectiveCheck:
     def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.validated:
             self.validated = True
-            self._check(metrics, "at validation")
+            _require_logged(metrics, "objective", self.objective, "at validation")
 
     def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.logged:
             self.logged = True
-            self._check({**loop.progress.metrics, **metrics}, "while training")
-
-    def _check(self, metrics: dict, when: str) -> None:
-        if self.objective not in metrics:
-            logged = ", ".join(sorted(k for k in metrics if "/" in k)) or "none"
-            raise CallbackError(f"objective={self.objective} is not logged {when}; the metrics are: {logged}")
+            _require_logged({**loop.progress.metrics, **metrics}, "objective", self.objective, "while training")
 
 
 class _Monitor:

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Literal
 
-from runner.entry import SAME_REQUEST_S, WORKER_REGISTRY
+from runner.entry import SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY
 
 StartMethod = Literal["popen", "spawn", "fork"]
 
@@ -179,8 +179,6 @@ class _StopForwarder:
     `grace` seconds after the first signal, or on a second Ctrl-C, the agent kills them, with no restart.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
     def __init__(self, grace: int, registry: Path) -> None:
         from torch.distributed.launcher.api import LaunchConfig
 
@@ -201,7 +199,7 @@ class _StopForwarder:
         if not self.active:
             yield  # the agent's own handling
             return
-        previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         try:
             yield
         finally:

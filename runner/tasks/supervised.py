@@ -65,6 +65,7 @@ class ClassificationTask(_Supervised):
             raise ValueError(f"task.label_smoothing={label_smoothing} must be in [0, 1)")
         self.top_k = sorted(set(top_k) | {1})
         self.label_smoothing = float(label_smoothing)
+        self._probabilities_seen = False  # float targets checked to be probabilities (on the first such batch)
         self.extra_stats = tuple(f"correct_top{k}" for k in self.top_k)
 
     def score(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
@@ -92,8 +93,9 @@ class ClassificationTask(_Supervised):
                              f"{str(targets.dtype).replace('torch.', '')}{hint}")
         if self.top_k[-1] > classes:
             raise BatchError(f"task.top_k={self.top_k}: {self.top_k[-1]} is more than the model's {classes} classes")
-        if targets.is_floating_point():
-            _check_probabilities(logits, targets)
+        if targets.is_floating_point() and not self._probabilities_seen:
+            _check_probabilities(logits, targets)  # once: its .item() would wait for the device at every step
+            self._probabilities_seen = True
 
     def compute(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["samples"], 1.0)
