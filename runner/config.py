@@ -47,6 +47,7 @@ class TrainerConfig:
     limit_val_batches: Any = 1.0
     ckpt_every_n_steps: Optional[int] = None
     ckpt_path: Optional[str] = None  # a file, or 'last'
+    trust_unchecked_checkpoint: bool = False  # load a ckpt_path named explicitly that carries no checksums
     seed: int = 0
     deterministic: bool = False
     fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches

@@ -634,13 +634,12 @@ def _unknown_settings(key: str, spec: DictConfig, target: Any) -> str:
 
 
 def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[str]:
-    """The checkpoint loads, and fits this config: the model's tensors and the position in the epoch."""
-    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded
+    """The checkpoint is the one written (its checksums), holds data only, a possible step, finite weights and
+    this run's task, and fits this config: the model's tensors and the position in the epoch."""
+    from runner.checkpoint_io import CheckpointError
 
     try:
-        # A sharded folder (strategy=fsdp) gives its tensors' shapes without reading them.
-        checkpoint = (sharded.skeleton(path) if sharded.is_sharded(path)
-                      else TorchCheckpointIO().load_checkpoint(path, map_location="cpu"))
+        checkpoint = _read_checked(cfg, path)
     except CheckpointError as err:
         yield f"trainer.ckpt_path={path}: {err}"
         return
@@ -721,5 +720,26 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
         problems += _check_checkpoint(cfg, ckpt_path, processes)
     if problems:
         raise ConfigError(problems)
+
+
+def _read_checked(cfg: DictConfig, path: Any) -> dict:
+    """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
+    the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
+    from runner.checkpoint_io import TorchCheckpointIO, sharded, trust
+
+    # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
+    trusted = (bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
+               and cfg.trainer.ckpt_path not in ("last", "best"))
+    try:
+        task = trust.task_name(build_task(cfg))
+    except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
+        task = None
+    if sharded.is_sharded(path):
+        checkpoint = sharded.skeleton(path, trusted)
+        trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
+    else:
+        checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
+        trust.check(path, checkpoint, task)
+    return checkpoint
 
 

@@ -43,28 +43,23 @@ SAME_MODEL_KEYS = ("model", "data", "task")
 
 
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """`trainer.ckpt_path`: a file; or `last`/`best`: this run folder's last.ckpt/best.ckpt, else the newest one of
-    a run of the same config under the output root (model, data, task, optimizer and scheduler to train on;
-    model, data and task to validate, test or predict with)."""
+    """`trainer.ckpt_path`: a file; or `last`/`best`. A run folder that holds checkpoints/ already resumes from
+    its own newest complete one (last.ckpt, else the highest step-N.ckpt; best.ckpt for `best`) and never from
+    another folder. A new run folder takes the newest one of a run of this config (model, data, task, optimizer
+    and scheduler to train on; model, data and task to validate, test or predict with) that this user owns."""
     value = cfg.trainer.ckpt_path
     if value in (None, ""):
         return None
     if value not in ("last", "best"):
         return os.path.abspath(str(value))
-    name = f"{value}.ckpt"
-    own = run_dir / "checkpoints" / name
-    if own.exists():
-        log.info("trainer.ckpt_path=%s: %s (this run folder's)", value, own)
-        return str(own.resolve())
+    if (run_dir / "checkpoints").is_dir():
+        return _own_checkpoint(value, run_dir)
     root = output_root(run_dir)
-    keys = SAME_RUN_KEYS if cfg.get("stage", "fit") == "fit" else SAME_MODEL_KEYS
-    mine = _signature(OmegaConf.to_container(cfg, resolve=True), keys)
-    found = [p for pattern in (f"*/checkpoints/{name}", f"*/*/checkpoints/{name}") for p in root.glob(pattern)
-             if _signature(_resolved_of(p.parent.parent), keys) == mine]
+    found = _runs_of_this_config(cfg, root, f"{value}.ckpt")
     if found:
         newest = max(found, key=lambda p: p.stat().st_mtime)
-        log.warning("trainer.ckpt_path=%s: using %s, the newest %s of a run of this config under %s", value, newest,
-                    name, root)
+        log.warning("trainer.ckpt_path=%s: using %s, the newest %s.ckpt of your runs of this config under %s",
+                    value, newest, value, root)
         return str(newest.resolve())
     if value == "best":
         raise ConfigError([f"trainer.ckpt_path=best: no checkpoints/best.ckpt in {run_dir}, nor in a run of this "
@@ -75,6 +70,45 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
 
 
 def output_root(run_dir: Path) -> Path:
+def _own_checkpoint(value: str, run_dir: Path) -> Optional[str]:
+    """`last`/`best` in a run folder with checkpoints/: its own, whatever other runs hold."""
+    folder = run_dir / "checkpoints"
+    own = folder / f"{value}.ckpt"
+    if not own.exists() and value == "last":
+        # Killed before its first last.ckpt: its periodic ones are newer than anything another run has.
+        steps = {int(m.group(1)): p for p in folder.glob("step-*.ckpt") if (m := _STEP.fullmatch(p.name))}
+        own = steps[max(steps)] if steps else own
+    if own.exists():
+        log.info("trainer.ckpt_path=%s: %s (this run folder's)", value, own)
+        return str(own.resolve())
+    if value == "best":
+        raise ConfigError([f"trainer.ckpt_path=best: {run_dir} holds a run but no checkpoints/best.ckpt (best.ckpt "
+                           "is written by callbacks=model_checkpoint)"])
+    log.warning("trainer.ckpt_path=last: %s holds no complete checkpoint; training from the start", folder)
+    return None
+
+
+_STEP = re.compile(r"step-(\d+)\.ckpt")
+
+
+def _runs_of_this_config(cfg: DictConfig, root: Path, name: str) -> list[Path]:
+    """`name` in the run folders under `root` that this config made and this user owns (a folder another user
+    left under a shared outputs/ is never loaded)."""
+    keys = SAME_RUN_KEYS if cfg.get("stage", "fit") == "fit" else SAME_MODEL_KEYS
+    mine = _signature(OmegaConf.to_container(cfg, resolve=True), keys)
+    found = []
+    for path in (p for pattern in (f"*/checkpoints/{name}", f"*/*/checkpoints/{name}") for p in root.glob(pattern)):
+        run = path.parent.parent
+        try:
+            owned = all(p.lstat().st_uid == os.getuid() for p in (path, path.parent, run, run / ".hydra" /
+                                                                  "resolved.yaml"))
+        except OSError:
+            continue
+        if owned and _signature(_resolved_of(run), keys) == mine:
+            found.append(path)
+    return found
+
+
     """Where runs are kept: the run folder's parent, above the date folder of Hydra's default layout."""
     parent = Path(run_dir).resolve().parent
     return parent.parent if re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name) else parent

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from runner.callbacks import Callbacks
+from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import DEFAULT_EPOCHS, ConfigError
 from runner.metrics import MetricSet
 from runner.tasks.base import StepWeights, plural
@@ -401,6 +402,7 @@ class Loop:
             "callbacks": self.callbacks.state_dict(),
         }
 
+            "task": task_name(self.task.task),  # a checkpoint of another task is refused by name
     def load_state_dict(self, checkpoint: dict) -> None:
         per_batch = self.train.batch_size * self.strategy.world_size
         samples, saved_batch = checkpoint.get("samples_in_epoch", 0), checkpoint.get("global_batch_size")
@@ -411,6 +413,8 @@ class Loop:
                 f"{self.train.batch_size} x {self.strategy.world_size} process(es) x trainer.accumulate_grad_batches "
                 f"{self.schedule.accumulate}); resume with the checkpoint's global batch ({saved_batch})"
             ])
+        # The pre-launch check read the file; this is what every process got (weights: checked there).
+        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         if saved_batch is not None and saved_batch != self.global_batch:
             log.warning("resuming a run trained with a global batch of %d with one of %d: the data continues "
                         "where it stopped, but each step now averages over %d samples", saved_batch,
@@ -441,6 +445,7 @@ class Loop:
             _write_json(self.run_dir / "metrics.json", result)
 
     def save_checkpoint(self, path: Path, state: Optional[dict] = None) -> None:
+        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
         state = self.state_dict() if state is None else state
         self.callbacks.call("on_save_checkpoint", self, state)

@@ -177,11 +177,12 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     try:
         if ckpt_path and stage == "fit":
+    trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
             log.info("resuming from %s", ckpt_path)
-            loop.load_state_dict(strategy.load_checkpoint(ckpt_path))
+            loop.load_state_dict(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
         elif ckpt_path:
             log.info("stage=%s with the weights of %s", stage, ckpt_path)
-            loop.load_weights(strategy.load_checkpoint(ckpt_path))
+            loop.load_weights(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
         return stages.RUN[stage](loop, data)
     finally:
         logger.finalize()

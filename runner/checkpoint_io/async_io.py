@@ -37,9 +37,9 @@ class AsyncCheckpointIO(CheckpointIO):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-io")
         self._last = self._executor.submit(self._write, snapshot, os.fspath(path), storage_options)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = "cpu", **options: Any) -> dict:
         self.wait()
-        return self.checkpoint_io.load_checkpoint(path, map_location=map_location)
+        return self.checkpoint_io.load_checkpoint(path, map_location=map_location, **options)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         self.wait()

@@ -7,29 +7,29 @@ works for both):
   processes can read the parts they hold.
 - `state.pt` — everything else of the checkpoint (step, epoch, data position, RNG, scheduler, optimizer
   settings, callbacks), written by rank 0 with torch.save and read with `weights_only=True`.
+- `checksums.json` — a CRC-32 of each file above, written last by rank 0; checked before anything is read.
 
 A save goes to `.<name>.tmp-<token>/` and is renamed into place once every rank has written: a crash at any
 point leaves the previous checkpoint whole. DCP pickles non-tensor values (and unpickles them with
-`weights_only=False`), so only tensors go through it.
+`weights_only=False`), so only tensors go through it; its `.metadata` is read by `dcp_metadata`, never by pickle.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from runner.checkpoint_io.torch_io import fsync_dir
+from runner.checkpoint_io import manifest
+from runner.checkpoint_io.base import CheckpointError
+from runner.checkpoint_io.dcp_metadata import METADATA_FILE, read_metadata, safe_reader
+from runner.checkpoint_io.torch_io import fsync_dir, remove_path, replace
 
 STATE_FILE = "state.pt"
-METADATA_FILE = ".metadata"
 # (path inside the checkpoint, global size, dtype, the checkpoint's other entries) -> the tensor to read it into.
 Allocate = Callable[[tuple, torch.Size, torch.dtype, dict], torch.Tensor]
 
@@ -66,7 +66,9 @@ def temporary_path(path: Path, token: str) -> Path:
 
 
 def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = None) -> None:
-    """Every rank writes its shards into `tmp` (a collective); the rank passing `rest` also writes state.pt.
+    """Every rank writes its shards into `tmp` (a collective); the rank passing `rest` (rank 0, DCP's
+    coordinator) also writes state.pt, then the checksum manifest: DCP returns on the coordinator only after
+    every rank's shards and the metadata are written.
 
     Tensors every rank holds alike (biases of unsharded layers, Adam's step) are written once, by rank 0.
     """
@@ -82,45 +84,45 @@ def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = N
             torch.save(rest, file)
             file.flush()
             os.fsync(file.fileno())
+        manifest.write(tmp)
 
 
 def publish(tmp: Path, path: Path) -> None:
     """Put the finished folder `tmp` at `path` (one process): swapped atomically with any previous checkpoint
-    there (Linux renameat2), so `path` always holds a whole checkpoint; then drop the old one and leftovers."""
-    if path.exists() and _exchange(tmp, path):
-        _remove(tmp)  # now the previous checkpoint
-    else:
-        if path.exists():  # no atomic swap here: move the old one aside first (a crash now leaves it there)
-            aside = path.with_name(f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-            os.replace(path, aside)
-            os.replace(tmp, path)
-            _remove(aside)
-        else:
-            os.replace(tmp, path)
+    there, folder or file (Linux renameat2), so `path` always holds a whole checkpoint; then drop the old one and
+    leftovers."""
+    replace(tmp, path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # folders of saves a crash interrupted
-        _remove(stale)
+        remove_path(stale)
     fsync_dir(str(path.parent))
 
 
 def remove(path: Any) -> None:
-    _remove(Path(path))
+    remove_path(Path(path))
 
 
 def read_rest(path: Any) -> dict:
-    from runner.checkpoint_io import CheckpointError
-
+    """state.pt of a folder whose checksums were verified."""
     try:
-        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        rest = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
     except FileNotFoundError as err:
         raise CheckpointError(f"sharded checkpoint {path} lacks {STATE_FILE}: it was not written completely") from err
+    except Exception as err:  # noqa: BLE001 - weights-only refusals and damaged bytes alike
+        raise CheckpointError(f"cannot load sharded checkpoint {path}: its {STATE_FILE} is damaged or holds objects "
+                              f"that are not data ({type(err).__name__}); use an earlier checkpoint") from None
+    if not isinstance(rest, dict) or not isinstance(rest.get("optimizer"), dict):
+        raise CheckpointError(f"cannot load sharded checkpoint {path}: its {STATE_FILE} is not the runner's")
+    return rest
 
 
-def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = None) -> dict:
+def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = None,
+         trust_unchecked: bool = False) -> dict:
     """The checkpoint in the sharded folder `path`, each tensor read into `allocate(...)`'s tensor.
 
     By default every tensor is read whole (plain tensors: what strategy=single or ddp loads). A strategy that
     shards passes tensors holding only its part (DTensors), and DCP reads just those parts; every process of
-    the group must call it then.
+    the group must call it then. The checksums are verified first (a folder without them only if
+    `trust_unchecked`).
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -128,8 +130,9 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     collective = allocate is not None and dist.is_initialized()
+    manifest.verify(path, trust_unchecked)
     rest = read_rest(path)
-    reader = dcp.FileSystemReader(str(path))
+    reader = safe_reader(path)
     metadata = reader.read_metadata()
     allocate = allocate or (lambda where, size, dtype, rest: torch.empty(size, dtype=dtype))
     tensors: dict = {"model": {}, "optimizer_state": {}}
@@ -146,11 +149,8 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
         try:
             dcp.load(tensors, storage_reader=reader, process_group=process_group, no_dist=not collective)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's gathers every rank's failures
-            from runner.checkpoint_io import CheckpointError
-
             raise CheckpointError(f"cannot load sharded checkpoint {path}: {_reason(err)}; a shard file is damaged "
-                                  "or truncated (sharded folders carry no checksum yet); use an earlier "
-                                  "checkpoint") from None
+                                  "or truncated; use an earlier checkpoint") from None
     return join(tensors, rest)
 
 
@@ -163,12 +163,13 @@ def _reason(err: BaseException) -> str:
     return (first_sentence.group(1) if first_sentence else text)[:300]
 
 
-def skeleton(path: Any) -> dict:
-    """The checkpoint with every tensor on the meta device (shapes only, nothing read): for checks before start."""
-    import torch.distributed.checkpoint as dcp
+def skeleton(path: Any, trust_unchecked: bool = False) -> dict:
+    """The checkpoint with every tensor on the meta device (shapes only): for checks before start. The files'
+    checksums are verified; no tensor is kept."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    manifest.verify(path, trust_unchecked)
+    metadata = read_metadata(path)
     tensors: dict = {"model": {}, "optimizer_state": {}}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -180,20 +181,26 @@ def skeleton(path: Any) -> dict:
     return join(tensors, read_rest(path))
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+def nonfinite_weights(path: Any) -> list[str]:
+    """The model tensors of a verified folder holding NaN or inf, read one stored chunk at a time (any size of
+    model fits in memory)."""
+    import io
 
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+    metadata = read_metadata(path)
+    found: list[str] = []
+    for index, info in sorted(metadata.storage_data.items(), key=lambda item: (item[1].relative_path,
+                                                                                 item[1].offset)):
+        where = metadata.planner_data.get(index.fqn, ())
+        if where[:1] != ("model",) or where[-1] in found:
+            continue
+        with open(Path(path) / info.relative_path, "rb") as file:
+            file.seek(info.offset)
+            data = file.read(info.length)
+        try:
+            chunk = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - bytes the checksum vouched for, or an unchecked folder's
+            raise CheckpointError(f"cannot load sharded checkpoint {path}: {info.relative_path} is damaged "
+                                  f"({type(err).__name__}); use an earlier checkpoint") from None
+        if isinstance(chunk, torch.Tensor) and chunk.is_floating_point() and not bool(torch.isfinite(chunk).all()):
+            found.append(where[-1])
+    return found

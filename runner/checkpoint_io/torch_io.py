@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import re
 import secrets
 import shutil
+import sys
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -45,7 +45,10 @@ class TorchCheckpointIO(CheckpointIO):
                 f"cannot write checkpoint {path}: {_write_reason(err, path)}; the previous file is left intact"
             ) from err
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = "cpu",
+                        require_checksum: Optional[bool] = None) -> dict:
+        """The checkpoint at `path`, checked against its checksum. A file without one (saved by other tools, or
+        with its checksum deleted) loads silently by default; `require_checksum=True` refuses it, False warns."""
         path = os.fspath(path)
         try:
             checkpoint = torch.load(path, map_location=map_location, weights_only=True)
@@ -61,6 +64,14 @@ class TorchCheckpointIO(CheckpointIO):
                 "expected a dict such as {'model': ..., 'optimizer': ..., 'step': ...}"
             )
         stored = checkpoint.pop(CHECKSUM_KEY, None)  # files written elsewhere have none
+        if stored is None and require_checksum is not None:
+            from runner.checkpoint_io.manifest import UNCHECKED_ADVICE, log
+
+            if require_checksum:
+                raise CheckpointError(f"cannot load checkpoint {path}: it carries no {CHECKSUM_KEY}, so "
+                                      f"{UNCHECKED_ADVICE}")
+            log.warning("loading %s without a checksum (trust_unchecked_checkpoint): damage or edits are not "
+                        "detected", path)
         if stored is not None and stored != checksum(checkpoint):
             raise CheckpointError(
                 f"cannot load checkpoint {path}: its contents do not match the checksum written with them (the "
@@ -69,14 +80,16 @@ class TorchCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.fspath(path))
+        remove_path(os.fspath(path))  # a folder too: a sharded checkpoint an earlier strategy=fsdp run left
 
 
 def _write_atomic(checkpoint: dict, path: str) -> None:
     # The temporary file lives in the target's directory: os.replace is atomic only within one filesystem.
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+        # A sharded checkpoint (strategy=fsdp ran here before) is replaced; any other folder is not ours to remove.
+        raise IsADirectoryError(21, "a folder that is not a sharded checkpoint is there", path)
     name = f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp = os.path.join(directory, name)
     try:
@@ -85,12 +98,51 @@ def _write_atomic(checkpoint: dict, path: str) -> None:
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
     fsync_dir(directory)
+
+
+def replace(new: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the finished file or folder `new` at `path`, whatever is there now (a checkpoint file where a sharded
+    folder was, or the reverse): `path` always holds a whole checkpoint, the old one is removed after."""
+    old_is_folder = os.path.isdir(path) and not os.path.islink(path)
+    if not (old_is_folder or os.path.isdir(new)) or not os.path.lexists(path):
+        os.replace(new, path)  # file over file, or nothing there: one atomic rename
+        return
+    if exchange(new, path):
+        remove_path(new)  # now the previous checkpoint
+        return
+    # No atomic swap here: move the old one aside first (a crash now leaves it there, named).
+    aside = os.path.join(os.path.dirname(os.path.abspath(path)),
+                         f".{os.path.basename(path)}.old-{secrets.token_hex(4)}")
+    os.replace(path, aside)
+    os.replace(new, path)
+    remove_path(aside)
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def remove_path(path: str | os.PathLike) -> None:
+    """Remove a checkpoint file or folder; nothing there is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def checksum(tree: Any) -> int:
@@ -156,21 +208,25 @@ def _one_line(err: BaseException) -> str:
 def _damaged(err: BaseException) -> bool:
     """A load failure from the bytes themselves, not from objects torch's weights-only loader refuses.
 
-    A flipped byte in the pickle shows up as an opcode the loader does not know or a global that does not
-    exist (`collections.OrderddDict`); a global that exists was saved on purpose, and the file is fine.
+    A flipped byte in the pickle shows up as an opcode the loader does not know, a global that is not a name
+    (`coll\x03ctions.X`), or a name missing from a module loaded already (`collections.OrderddDict`). Nothing is
+    imported to decide: a module the file names could run code. Any other global was saved on purpose.
     """
     text = _one_line(err)
     if isinstance(err, (OSError, EOFError, KeyError)) or re.search(r"PytorchStreamReader|ZIP archive|central directory|"
                                                          r"Unsupported operand|invalid load key|truncated", text):
         return True
-    unsupported = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", text)
     if unsupported:
         module, _, name = unsupported.group(1).rpartition(".")
-        try:
-            return not hasattr(importlib.import_module(module), name)
-        except Exception:  # noqa: BLE001 - no such module: the name was damaged
+        if not (_IDENTIFIERS.fullmatch(module) and name.isidentifier()):
             return True
+        loaded = sys.modules.get(module)  # a look-up, never an import
+        return loaded is not None and name not in vars(loaded)
     return False
+
+
+_IDENTIFIERS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def _load_reason(err: BaseException) -> str:

@@ -179,23 +179,30 @@ class FSDPStrategy(DDPStrategy):
             else:
                 self.checkpoint_io.remove_checkpoint(path)
 
-    def load_checkpoint(self, path: Any) -> dict:
-        """Any checkpoint of the runner, resharded for this run's processes (every rank calls it).
+    def load_checkpoint(self, path: Any, trust_unchecked: bool = False) -> dict:
+        """Any checkpoint of the runner, resharded for this run's processes (every rank calls it), verified
+        against its checksums first (one without them only with `trust_unchecked`).
 
         A sharded folder is read part by part: each process reads only the slices of its own shards. A full
         file (of strategy=single, ddp or fsdp with state_dict_type=full) is read whole and each process keeps
         its slices.
         """
         self._wait()
+        from runner.checkpoint_io import trust
+
         self.barrier("load_checkpoint")  # what rank 0 published is there for every rank
         if self._model is None:
-            return super().load_checkpoint(path)
+            return super().load_checkpoint(path, trust_unchecked)
         if sharded.is_sharded(path):
-            model_state, params = self._targets(sharded.read_rest(path)["optimizer"]["param_groups"])
-            return sharded.read(path, lambda where, size, dtype, rest: _allocate(where, size, dtype, model_state,
-                                                                                   params))
-        checkpoint = self.checkpoint_io.load_checkpoint(path, map_location="cpu")
-        return self._shard_checkpoint(checkpoint)
+            targets: dict = {}
+
+            def allocate(where: tuple, size: torch.Size, dtype: torch.dtype, rest: dict) -> torch.Tensor:
+                if not targets:  # state.pt is read once its checksum has been verified
+                    targets.update(zip(("model", "params"), self._targets(rest["optimizer"]["param_groups"])))
+                return _allocate(where, size, dtype, targets["model"], targets["params"])
+
+            return sharded.read(path, allocate, trust_unchecked=trust_unchecked)
+        return self._shard_checkpoint(trust.load_file(self.checkpoint_io, path, trust_unchecked))
 
     def _targets(self, param_groups: list) -> tuple[dict, dict]:
         """This run's sharded model state by key, and its parameters by the checkpoint's optimizer index."""

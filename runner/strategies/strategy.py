@@ -134,17 +134,25 @@ class Strategy:
         self.barrier("save_checkpoint")
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Rank 0 removes the file through the checkpoint IO (after its pending writes)."""
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(path)
-
-    def load_checkpoint(self, path: Any) -> dict:
-        """A checkpoint file, or a sharded folder (strategy=fsdp's) read whole."""
+        """Rank 0 removes the file through the checkpoint IO (after its pending writes), or the sharded folder an
+        earlier strategy=fsdp run left at that name."""
         from runner.checkpoint_io import sharded
 
+        if self.is_global_zero:
+            self.checkpoint_io.wait()
+            if sharded.is_sharded(path):
+                sharded.remove(path)
+            else:
+                self.checkpoint_io.remove_checkpoint(path)
+
+    def load_checkpoint(self, path: Any, trust_unchecked: bool = False) -> dict:
+        """A checkpoint file, or a sharded folder (strategy=fsdp's) read whole; either verified against the
+        checksums written with it (one without them only with `trust_unchecked`)."""
+        from runner.checkpoint_io import sharded, trust
+
         if sharded.is_sharded(path):
-            return sharded.read(path)
-        return self.checkpoint_io.load_checkpoint(path, map_location="cpu")
+            return sharded.read(path, trust_unchecked=trust_unchecked)
+        return trust.load_file(self.checkpoint_io, path, trust_unchecked)
 
     def teardown(self) -> None:
         self.checkpoint_io.teardown()
