@@ -658,6 +658,27 @@ def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[st
     yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
 
 
+def _read_checked(cfg: DictConfig, path: Any) -> dict:
+    """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
+    the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
+    from runner.checkpoint_io import TorchCheckpointIO, sharded, trust
+
+    # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
+    trusted = (bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
+               and cfg.trainer.ckpt_path not in ("last", "best"))
+    try:
+        task = trust.task_name(build_task(cfg))
+    except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
+        task = None
+    if sharded.is_sharded(path):
+        checkpoint = sharded.skeleton(path, trusted)
+        trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
+    else:
+        checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
+        trust.check(path, checkpoint, task)
+    return checkpoint
+
+
 def _check_optimizer_state(cfg: DictConfig, path: Any, saved: Any) -> Iterator[str]:
     """The configured optimizer keeps the per-parameter state the checkpoint holds (SGD's is not AdamW's).
 
@@ -720,26 +741,5 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
         problems += _check_checkpoint(cfg, ckpt_path, processes)
     if problems:
         raise ConfigError(problems)
-
-
-def _read_checked(cfg: DictConfig, path: Any) -> dict:
-    """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
-    the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
-    from runner.checkpoint_io import TorchCheckpointIO, sharded, trust
-
-    # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
-    trusted = (bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
-               and cfg.trainer.ckpt_path not in ("last", "best"))
-    try:
-        task = trust.task_name(build_task(cfg))
-    except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
-        task = None
-    if sharded.is_sharded(path):
-        checkpoint = sharded.skeleton(path, trusted)
-        trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
-    else:
-        checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
-        trust.check(path, checkpoint, task)
-    return checkpoint
 
 

@@ -69,7 +69,6 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     return None
 
 
-def output_root(run_dir: Path) -> Path:
 def _own_checkpoint(value: str, run_dir: Path) -> Optional[str]:
     """`last`/`best` in a run folder with checkpoints/: its own, whatever other runs hold."""
     folder = run_dir / "checkpoints"
@@ -109,6 +108,7 @@ def _runs_of_this_config(cfg: DictConfig, root: Path, name: str) -> list[Path]:
     return found
 
 
+def output_root(run_dir: Path) -> Path:
     """Where runs are kept: the run folder's parent, above the date folder of Hydra's default layout."""
     parent = Path(run_dir).resolve().parent
     return parent.parent if re.fullmatch(r"\d{4}-\d{2}-\d{2}", parent.name) else parent

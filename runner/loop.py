@@ -393,6 +393,7 @@ class Loop:
             "scheduler": self.scheduler.state_dict(),
             "precision": self.precision.state_dict(),
             "optimizer_class": type(self.optimizer).__name__,
+            "task": task_name(self.task.task),  # a checkpoint of another task is refused by name
             "step": p.step,
             "epoch": p.epoch,
             "samples_in_epoch": p.batch * self.train.batch_size * self.strategy.world_size,
@@ -402,8 +403,9 @@ class Loop:
             "callbacks": self.callbacks.state_dict(),
         }
 
-            "task": task_name(self.task.task),  # a checkpoint of another task is refused by name
     def load_state_dict(self, checkpoint: dict) -> None:
+        # The pre-launch check read the file; this is what every process got (weights: checked there).
+        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         per_batch = self.train.batch_size * self.strategy.world_size
         samples, saved_batch = checkpoint.get("samples_in_epoch", 0), checkpoint.get("global_batch_size")
         if samples % self.global_batch:  # the first step would train on part of a batch, or skip samples
@@ -413,8 +415,6 @@ class Loop:
                 f"{self.train.batch_size} x {self.strategy.world_size} process(es) x trainer.accumulate_grad_batches "
                 f"{self.schedule.accumulate}); resume with the checkpoint's global batch ({saved_batch})"
             ])
-        # The pre-launch check read the file; this is what every process got (weights: checked there).
-        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         if saved_batch is not None and saved_batch != self.global_batch:
             log.warning("resuming a run trained with a global batch of %d with one of %d: the data continues "
                         "where it stopped, but each step now averages over %d samples", saved_batch,
@@ -436,6 +436,7 @@ class Loop:
 
     def load_weights(self, checkpoint: dict) -> None:
         """The model's weights and step from a checkpoint, for evaluating or predicting (no training state)."""
+        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         self.strategy.unwrap(self.wrapped).model.load_state_dict(checkpoint["model"])
         self.progress.step, self.progress.epoch = checkpoint["step"], checkpoint["epoch"]
 
@@ -445,7 +446,6 @@ class Loop:
             _write_json(self.run_dir / "metrics.json", result)
 
     def save_checkpoint(self, path: Path, state: Optional[dict] = None) -> None:
-        check_checkpoint(self.cfg.get("ckpt_path"), checkpoint, task_name(self.task.task), weights=False)
         """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
         state = self.state_dict() if state is None else state
         self.callbacks.call("on_save_checkpoint", self, state)

@@ -175,9 +175,9 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
                 build.build_metrics(cfg, strategy), build.build_callbacks(cfg))
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
+    trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
     try:
         if ckpt_path and stage == "fit":
-    trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
             log.info("resuming from %s", ckpt_path)
             loop.load_state_dict(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
         elif ckpt_path:

@@ -187,9 +187,9 @@ class FSDPStrategy(DDPStrategy):
         file (of strategy=single, ddp or fsdp with state_dict_type=full) is read whole and each process keeps
         its slices.
         """
-        self._wait()
         from runner.checkpoint_io import trust
 
+        self._wait()
         self.barrier("load_checkpoint")  # what rank 0 published is there for every rank
         if self._model is None:
             return super().load_checkpoint(path, trust_unchecked)
