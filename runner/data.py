@@ -18,6 +18,36 @@ def collate(samples: Any) -> Any:
     return samples if isinstance(samples, Batch) else default_collate(samples)
 
 
+# Samples a check collates, at most: enough to meet differing shapes, few enough to read in microseconds.
+FIRST_SAMPLES = 4
+
+
+def first_batch_problem(data: Any, split: str) -> Optional[str]:
+    """Why the first samples of `data.<split>_dataset` do not form a batch as the loader forms it, or None."""
+    dataset = getattr(data, f"{split}_dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    indices = list(range(min(FIRST_SAMPLES, data.batch_size, len(dataset))))
+    custom = getattr(data, "collate_fn", None)
+    try:  # as the loader fetches: the whole batch at once where the data set can
+        samples = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
+    except Exception as error:  # noqa: BLE001 - any failure to read a sample is the data's to fix
+        return f"reading samples {indices} of {split}_dataset fails: {_first_line(error)}"
+    try:
+        (custom or collate)(samples)
+    except Exception as error:  # noqa: BLE001
+        how, fix = (("its collate_fn", "fix data.collate_fn") if custom is not None
+                    else ("the default collate", "give the data a collate_fn that batches them"))
+        return (f"the first {len(indices)} samples of {split}_dataset do not form a batch with {how}: "
+                f"{_first_line(error)}; {fix}")
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 class TensorPairDataset(Dataset):
     """In-memory (inputs, targets) pairs that fetch a whole batch with one indexing operation."""
 

@@ -352,6 +352,59 @@ def _check_components(cfg: DictConfig) -> Iterator[str]:
     yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
 
 
+def _check_backend(cfg: DictConfig) -> Iterator[str]:
+    """strategy.process_group_backend against the accelerator: a backend its devices lack (nccl on CPU) or a
+    misspelt one fails only in the workers, every rank with its own traceback."""
+    from runner.signatures import suggest
+
+    backend = cfg.strategy.get("process_group_backend")
+    if backend is None or not torch.distributed.is_available():
+        return
+    accelerator = build_accelerator(cfg)
+    kind = accelerator.device_type
+    if not accelerator.is_available():
+        return  # _check_components says so
+    capability = {name: devices for name, devices in torch.distributed.Backend.backend_capability.items()
+                  if name not in ("fake", "undefined")}  # torch's own test stand-in, and the unset marker
+    allowed = [name for name, devices in capability.items()
+               if kind in devices and torch.distributed.is_backend_available(name)]
+    # torch also takes one backend per device type: "cpu:gloo,cuda:nccl".
+    pairs = dict(part.split(":", 1) if ":" in part else (kind, part) for part in str(backend).lower().split(","))
+    name = pairs.get(kind)
+    allowed_text = f"allowed with accelerator={kind}: {', '.join(allowed)}, or null (the device's default)"
+    if name is None:
+        reason = f"names no backend for {kind}"
+    elif name not in capability:
+        reason = f"is not a process group backend{suggest(name, list(capability))}"
+    elif kind not in capability[name]:
+        reason = f"does not run on {kind} ({name} runs on {', '.join(capability[name])})"
+    elif name not in allowed:
+        reason = "is not available in this build of torch"
+    else:
+        return
+    yield f"strategy.process_group_backend={backend} {reason}; {allowed_text}"
+
+
+def _check_trainable(cfg: DictConfig) -> Iterator[str]:
+    """A model without a parameter to train (built on the meta device: shapes only, in milliseconds)."""
+    if cfg.get("stage", "fit") != "fit":
+        return  # validating, testing or predicting with a frozen model is fine
+    try:
+        with torch.random.fork_rng(devices=[]), _python_rng_kept(), torch.device("meta"):
+            model = build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+        return
+    if not isinstance(model, torch.nn.Module):
+        return
+    parameters = list(model.parameters())
+    if not parameters:
+        yield (f"model ({cfg.model._target_}) has no parameters: the optimizer would get an empty list and "
+               "nothing would train (stage=validate, test or predict run a model without training it)")
+    elif not any(p.requires_grad for p in parameters):
+        yield (f"model ({cfg.model._target_}) has no trainable parameters: all {len(parameters)} have "
+               "requires_grad=False, so the optimizer would change nothing; leave some trainable")
+
+
 def _check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
     """float16 rounds an epsilon below ~3e-8 to 0; Adam-style updates then divide by zero and the loss turns NaN."""
     optimizer = cfg.get("optimizer")
@@ -497,8 +550,15 @@ def probe_optimizer(node: DictConfig, parameters: list) -> Any:
     return target(parameters, **settings)
 
 
-def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
-    """Both built over one parameter, and the scheduler stepped twice: a schedule's arithmetic runs at its steps."""
+# A schedule over more planned steps is probed over its first ones only: a scheduler step costs microseconds.
+_PROBED_STEPS = 200_000
+
+
+def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = None) -> Iterator[str]:
+    """Both built over one parameter, and the scheduler stepped over the run's `planned` optimizer steps (a few
+    when they are not known here): its arithmetic runs at its steps, and the rates it gives must train."""
+    from runner.schedulers import learning_rates, schedule_problem
+
     try:
         optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
     except _REFUSALS as error:
@@ -507,18 +567,100 @@ def _check_optimizer_and_scheduler(cfg: DictConfig) -> Iterator[str]:
         return
     if optimizer is None:
         return
+    steps = list(_check_scheduler_steps(cfg))
+    if steps:
+        yield from steps
+        return
+    probed = min(planned, _PROBED_STEPS) if planned else 3
     try:
         with warnings.catch_warnings(), _quiet_runner_log():
             warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": no training here
-            # A schedule over the run's steps gets a stand-in count; the worker passes the real one (and warns).
-            scheduler = build_scheduler(cfg, optimizer, total_steps=max(cfg.trainer.max_steps, 2))
-            for _ in range(2):
-                scheduler.step()
+            # Without the planned count a stand-in; the worker passes the real one (and warns).
+            scheduler = build_scheduler(cfg, optimizer, total_steps=planned or max(cfg.trainer.max_steps, 2))
+            rates = learning_rates(scheduler, probed)
     except ConfigError as error:
         yield from error.problems
+        return
     except _REFUSALS as error:
-        yield (f"scheduler ({cfg.scheduler._target_}) fails on its first steps with "
+        steps = f"within the run's {planned} optimizer steps" if planned else "on its first steps"
+        yield (f"scheduler ({cfg.scheduler._target_}) fails {steps} with "
                f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
+        return
+    reference = _reference_lr(cfg, optimizer)
+    problem = planned and schedule_problem(rates, planned, reference)
+    if problem:
+        told = cfg.scheduler.get("total_steps")
+        hint = (f" (scheduler.total_steps={told}, the run {planned}: leave scheduler.total_steps out and the runner "
+                "passes the run's count)" if told is not None and told != planned else "")
+        yield (f"scheduler ({cfg.scheduler._target_}: {_settings('scheduler', cfg.scheduler) or 'its defaults'}) "
+               f"with optimizer.lr={reference:g}: {problem}{hint}")
+
+
+# Settings of torch's schedulers counted in optimizer steps, which their constructors take unchecked, with the least
+# value each means anything at (StepLR's step_size=-1 multiplies by gamma at every step).
+_STEP_COUNTS = {"step_size": 1, "step_size_up": 1, "step_size_down": 1, "T_max": 1, "T_0": 1, "T_mult": 1,
+                "total_iters": 0}
+
+
+def _check_scheduler_steps(cfg: DictConfig) -> Iterator[str]:
+    for key, least in _STEP_COUNTS.items():
+        value = cfg.scheduler.get(key)
+        if _is_int(value) and value < least:
+            yield (f"scheduler.{key}={value} must be a number of optimizer steps, at least {least} "
+                   f"({cfg.scheduler._target_})")
+
+def _reference_lr(cfg: DictConfig, optimizer: Any) -> float:
+    """What a schedule's rates are measured against: optimizer.lr, or a peak the scheduler sets itself (max_lr)."""
+    peak = cfg.scheduler.get("max_lr")
+    peaks = list(peak) if OmegaConf.is_list(peak) else [peak] if isinstance(peak, (int, float)) else []
+    return max([float(optimizer.defaults.get("lr", 0.0)), *(float(p) for p in peaks)])
+
+
+def _trial_data(cfg: DictConfig) -> Any:
+    """The data object, built here for the checks of its first batches and of the run's length; None when it
+    cannot be built in this process (each worker builds its own and reports its own errors)."""
+    with torch.random.fork_rng(devices=[]), _python_rng_kept(), _quiet_runner_log():
+        try:
+            return instantiate(cfg.data)
+        except Exception:  # noqa: BLE001 - reported by the workers, where the data is built for the run
+            return None
+
+
+def _planned_steps(cfg: DictConfig, data: Any) -> Optional[int]:
+    """The optimizer steps a fit takes from step 0, counted as the worker counts them (its scheduler's
+    total_steps); None when not known here: no data, and trainer.max_steps alone does not decide."""
+    from runner.loop import make_schedule
+
+    t = cfg.trainer
+    if cfg.get("stage", "fit") != "fit":
+        return None
+    steps_alone = t.max_steps if t.max_epochs is None and t.max_steps != -1 and not t.fast_dev_run else None
+    try:
+        processes = len(build_accelerator(cfg).parse_devices(devices_setting(cfg, instantiate(cfg.cluster))))
+    except Exception:  # noqa: BLE001 - devices this machine lacks: _check_components says so
+        processes = 0
+    if data is None or processes < 1:
+        return steps_alone
+    # Each process takes len // processes samples (the sampler drops the tail), in whole batches.
+    batches = len(data.train_dataset) // (processes * t.num_nodes) // data.batch_size
+    total = make_schedule(t, batches, 0).total_steps
+    return total if total >= 1 else None
+
+
+def _check_data_and_schedule(cfg: DictConfig) -> Iterator[str]:
+    """The data, built once: what the loop reads from it, whether its first samples form a batch, and the
+    schedule's rates over the steps the run will take with it."""
+    from runner.data import first_batch_problem
+
+    data = _trial_data(cfg)
+    stage = cfg.get("stage", "fit")
+    splits = ("train", "val") if stage == "fit" else ({"validate": "val"}.get(stage, stage),)
+    problem = data is not None and (_data_contract(cfg, data)
+                                    or next(filter(None, (first_batch_problem(data, s) for s in splits)), None))
+    if problem:
+        yield problem if problem.startswith("data (") else f"data ({cfg.data._target_}): {problem}"
+        data = None
+    yield from _check_optimizer_and_scheduler(cfg, _planned_steps(cfg, data))
 
 
 def _settings(group: str, node: DictConfig) -> str:
@@ -529,7 +671,7 @@ def _settings(group: str, node: DictConfig) -> str:
 
 
 def _check_training_objects(cfg: DictConfig) -> Iterator[str]:
-    yield from _check_optimizer_and_scheduler(cfg)
+    yield from _check_data_and_schedule(cfg)
     try:
         build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
@@ -732,6 +874,8 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
         raise ConfigError(problems)
     problems += _check_components(cfg)
     problems += _check_half_optimizer(cfg)
+    problems += _check_backend(cfg)
+    problems += _check_trainable(cfg)
     problems += _check_training_objects(cfg)
     problems += _check_compile(cfg)
     problems += _check_fsdp(cfg)

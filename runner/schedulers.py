@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -60,3 +60,51 @@ def linear(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, end_lr
     """Warm up linearly, then decay linearly to `end_lr_ratio` x the initial rate at the last step."""
     _check(total_steps, warmup_steps, end_lr_ratio, "end_lr_ratio")
     return LambdaLR(optimizer, _warmup_then(total_steps, warmup_steps, lambda p: 1 - (1 - end_lr_ratio) * p))
+
+
+# -- the rates a schedule gives: checked before any worker starts --------------------------------------
+
+# A schedule may rise to this multiple of the optimizer's rate (warm-up peaks, cycles); beyond, it diverges.
+MAX_RISE = 10.0
+
+
+def learning_rates(scheduler: Any, steps: int) -> list[float]:
+    """The rate each of the first `steps` optimizer steps trains with (the first group's), stepping `scheduler`.
+
+    The scheduler's optimizer never steps: only the schedule's arithmetic runs, microseconds a step.
+    """
+    group = scheduler.optimizer.param_groups[0]
+    rates = [float(group["lr"])]
+    for _ in range(steps - 1):
+        scheduler.step()
+        rates.append(float(group["lr"]))
+    return rates
+
+
+def schedule_problem(rates: Sequence[float], planned: int, reference: float) -> Optional[str]:
+    """What is wrong with `rates`, the first of the run's `planned` steps' learning rates, or None.
+
+    Negative or non-finite rates climb the loss; more than MAX_RISE x `reference` (the configured rate) diverges;
+    0 from a step before the last to the end trains nothing from there (0 at the last step alone is a decay's
+    end). When `rates` covers a prefix of the run only, a zero tail is not judged unless the whole prefix is 0.
+    """
+    bad = next((i for i, lr in enumerate(rates) if not (math.isfinite(lr) and lr >= 0)), None)
+    if bad is not None:
+        return (f"the learning rate is {rates[bad]:.3g} at step {bad + 1} of the run's {planned}: it must stay "
+                "positive and finite (a negative rate climbs the loss)")
+    high = next((i for i, lr in enumerate(rates) if lr > MAX_RISE * reference * (1 + 1e-9)), None)  # rounding
+    if high is not None:
+        return (f"the learning rate rises to {rates[high]:.3g} at step {high + 1} of the run's {planned}, over "
+                f"{MAX_RISE:g}x the optimizer's lr={reference:g}: a schedule may rise to {MAX_RISE:g}x at most "
+                "(set a higher optimizer.lr for a higher peak)")
+    zero_from = len(rates)
+    while zero_from > 0 and rates[zero_from - 1] == 0:
+        zero_from -= 1
+    if zero_from == 0:
+        span = (f"the whole run ({planned} optimizer steps)" if len(rates) == planned
+                else f"the first {len(rates)} steps of the run's {planned}")
+        return f"the learning rate is 0 for {span}: nothing trains"
+    if len(rates) == planned and zero_from < planned - 1:
+        return (f"the learning rate is 0 from step {zero_from + 1} to the run's last step {planned}: "
+                f"{planned - zero_from} of its {planned} optimizer steps train nothing")
+    return None
