@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import os
 import re
@@ -111,9 +113,43 @@ def _check_folder(folder: str, key: str) -> None:
     elif not os.access(existing, os.W_OK | os.X_OK):
         reason = f"{existing} is not writable (a read-only file system, or another user's folder)"
     else:
-        return
+        reason = _write_problem(path)
+        if reason is None:
+            return
     _report(ConfigError([f"{key}={folder} cannot be created or written: {reason}"]))
     raise SystemExit(1)
+
+
+# What a start writes before the first checkpoint (.hydra/, logs): a folder that cannot take this is full.
+_PROBE_BYTES = 64 * 1024
+
+
+def _write_problem(path: Path) -> Optional[str]:
+    """Why `path` cannot take files (a full disk, a quota), found by creating it as Hydra would and writing an
+    unnamed file there; None when it can. A folder this made is removed again when it fails."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as probe:
+            probe.write(bytes(_PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        for folder in made:  # innermost first; only the empty folders made here
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        return write_error_reason(path, error)
+    return None
+
+
+def write_error_reason(path: Path, error: OSError) -> str:
+    """What an OSError from writing in `path` means, in the words of the fix (Hydra's own names no folder)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left in {path} ({os.strerror(error.errno)}): free some space there, or choose a folder "
+                "on another disk")
+    if error.errno == errno.EROFS:
+        return f"{path} is on a read-only file system"
+    return f"{os.strerror(error.errno) if error.errno else error} in {path}"
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

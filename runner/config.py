@@ -107,10 +107,49 @@ def _share_the_config_store_in_copies() -> None:
     ConfigSource.__deepcopy__ = __deepcopy__
 
 
+def yaml_problem(error: Exception, path: Any = None) -> str:
+    """`file:line:column: problem (context at line N)` for a YAML error, the file read from its mark."""
+    mark = getattr(error, "problem_mark", None)
+    where = path or getattr(mark, "name", None) or "a config file"
+    if mark is not None:
+        where = f"{getattr(mark, 'name', None) or where}:{mark.line + 1}:{mark.column + 1}"
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark is not None:
+        problem += f" ({context} at line {context_mark.line + 1})"
+    return f"{where}: not valid YAML: {problem}"
+
+
+def _name_yaml_errors_by_file() -> None:
+    """A YAML error in a config file (of `--config-dir`, a `hydra.searchpath` folder) is one line with the file
+    and line, where Hydra prints ~90 lines through its defaults tree: raised as a ConfigError, which Hydra reports
+    as its message alone. Only the files a composition reads are parsed, as before.
+
+    Set on the repository, which every source's configs pass through: Hydra's plugin discovery re-imports the
+    modules of the sources themselves (a new FileConfigSource class).
+    """
+    import yaml
+    from hydra._internal.config_repository import ConfigRepository
+
+    load = ConfigRepository.load_config
+    if getattr(load, "names_yaml_errors", False):
+        return
+
+    def load_config(self: Any, config_path: str) -> Any:
+        try:
+            return load(self, config_path)
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise ConfigError([yaml_problem(error, f"{config_path}.yaml")]) from None
+
+    load_config.names_yaml_errors = True  # type: ignore[attr-defined]
+    ConfigRepository.load_config = load_config
+
+
 def register_configs() -> None:
     from runner.schemas import SCHEMAS
 
     _share_the_config_store_in_copies()
+    _name_yaml_errors_by_file()
     # Outside any group, so --help lists only the real options.
     store = ConfigStore.instance()
     store.store(name="runner_schema", node=RunnerConfig)
