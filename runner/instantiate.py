@@ -695,9 +695,16 @@ def _check_loggers(cfg: DictConfig) -> Iterator[str]:
             continue
         with tempfile.TemporaryDirectory() as scratch:
             try:
-                _build_one_logger(spec, Path(scratch)).finalize()
+                logger = _build_one_logger(spec, Path(scratch))
+                logger.finalize()
             except Exception as error:  # noqa: BLE001 - any refusal of the settings is the user's to fix
-                yield f"logger.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
+                if isinstance(error.__cause__ or error, ImportError):  # an optional package: mlflow, wandb
+                    yield f"logger.{name} ({spec._target_}): {error.__cause__ or error}"
+                else:
+                    yield f"logger.{name} ({spec._target_}) does not accept its settings: {_one_line(error)}"
+                continue
+        # A logger that talks to a service says here whether it answers (a tracking server that is down).
+        yield from (f"logger.{name}: {problem}" for problem in getattr(logger, "check_service", list)())
 
 
 def _check_callbacks(cfg: DictConfig) -> Iterator[str]:

@@ -1,0 +1,292 @@
+"""`logger=mlflow`: one MLflow run per job, in the tracking store the user keeps (a server, or SQLite by default).
+
+The run starts with the first thing to log, not in the constructor: the checks before any worker starts build
+the logger once in a scratch folder, and that must not leave a run behind. The run's id is kept in the run folder
+(`mlflow_run.json`), so a resumed, restarted or requeued job continues the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+from runner.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
+
+log = logging.getLogger("runner")
+RUN_RECORD = "mlflow_run.json"
+CHECKPOINT_CHOICES = ("best", "last", "all")
+_HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml", "resolved.yaml")
+INSTALL = "logger=mlflow needs the mlflow package: pip install 'runner[mlflow]' (or pip install mlflow)"
+
+
+def _import_mlflow() -> Any:
+    try:
+        import mlflow.tracking  # noqa: F401 - the client, imported only when this logger is chosen
+    except ImportError as error:
+        raise ImportError(f"{INSTALL} ({error})") from error
+    return sys.modules["mlflow"]
+
+
+def tracking_uri_of(setting: Optional[str], store_dir: Path) -> tuple[str, str]:
+    """The tracking URI and where it came from: the setting, MLFLOW_TRACKING_URI, else SQLite beside the runs."""
+    if setting:
+        return str(setting), f"logger.mlflow.tracking_uri={setting}"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], f"MLFLOW_TRACKING_URI={os.environ['MLFLOW_TRACKING_URI']}"
+    uri = f"sqlite:///{store_dir / 'mlflow.db'}"
+    return uri, f"the default {uri}"
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a `sqlite:///` URI (None for any other store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?")[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Creating a SQLite store (its schema, then the experiment) one process at a time.
+
+    Parallel sweep jobs (the joblib launcher) that open one fresh database at once would each run its schema
+    migrations and fail on the other's tables; under this lock the first creates it and the others find it.
+    """
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class MLflowLogger:
+    """Metrics at their steps, the flattened resolved config as params, `.hydra/` and metrics.json as artifacts."""
+
+    def __init__(self, root_dir: str, tracking_uri: Optional[str] = None, experiment_name: Optional[str] = None,
+                 run_name: Optional[str] = None, tags: Optional[Mapping[str, Any]] = None,
+                 log_checkpoints: Optional[str] = None, fail_on_error: bool = True) -> None:
+        if log_checkpoints not in (None, False, *CHECKPOINT_CHOICES):
+            raise ValueError(f"log_checkpoints={log_checkpoints} is not allowed: use best, last, all or null (off)")
+        if tags is not None and not isinstance(tags, Mapping):
+            raise ValueError(f"tags={tags} must map names to values, e.g. {{team: vision}}")
+        if not isinstance(fail_on_error, bool):
+            raise ValueError(f"fail_on_error={fail_on_error} must be true or false")
+        self._mlflow = _import_mlflow()
+        self.root = Path(root_dir)
+        self.job = read_job(root_dir)
+        self.tracking_uri, self._uri_source = tracking_uri_of(tracking_uri, self.job.store_dir)
+        self.experiment_name = experiment_name or self.job.name
+        self.run_name = run_name or self.job.run_name
+        self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self.log_checkpoints = log_checkpoints or None
+        self.fail_on_error = fail_on_error
+        self.run_id: Optional[str] = None
+        self._client: Any = None
+        self._params: dict[str, str] = {}  # what the run holds already
+        self._logged: set[str] = set()
+        self._last_step = 0
+        self._failed = False
+
+    # -- the checks before any worker starts ----------------------------------------------------------
+    def check_service(self) -> list[str]:
+        """One line per problem with the tracking store, found before training (a server that is down)."""
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return []
+        try:
+            status = _probe(self.tracking_uri)
+        except Exception as error:  # noqa: BLE001 - any failure to connect is the message
+            reason = " ".join(str(error).split())[:300]
+            return [f"{self._uri_source}: no MLflow tracking server answers at {self.tracking_uri} ({reason}); start "
+                    "it (mlflow server ...), or choose another with logger.mlflow.tracking_uri or MLFLOW_TRACKING_URI"]
+        if status in (401, 403):
+            return [f"{self._uri_source}: the MLflow server at {self.tracking_uri} refuses this user (HTTP {status}); "
+                    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"]
+        if status != 200:
+            return [f"{self._uri_source}: {self.tracking_uri} answers HTTP {status} to MLflow's API: is it an "
+                    "MLflow tracking server?"]
+        return []
+
+    # -- the logger's four methods --------------------------------------------------------------------
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._guard(self._log_metrics, metrics, step)
+
+    def resume_at(self, step: int) -> None:
+        log.info("MLflow keeps every logged value: the steps from %d on are logged again, and a step's latest "
+                 "value (by timestamp) is this run's", step)
+
+    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        self._guard(self._log_end, params, metrics)
+
+    def finalize(self) -> None:
+        failed = sys.exc_info()[0] is not None  # called from a `finally`: an exception is on its way out
+        if self._client is None and not (self.root / ".hydra" / "resolved.yaml").is_file():
+            return  # nothing was logged, and this is no job's folder (the checks' scratch build)
+        if not failed:
+            self._guard(self._finish, "FINISHED")
+            return
+        try:  # the job's own error is the one to report, not the store's
+            self._guard(self._finish, "FAILED")
+        except RuntimeError as error:
+            log.warning("%s", error)
+
+    # -- the run ----------------------------------------------------------------------------------------
+    def _guard(self, action: Any, *args: Any) -> None:
+        """Run `action`; a failing store ends the job, or with fail_on_error=false is one warning and no more."""
+        if self._failed:
+            return
+        try:
+            if self._client is None:
+                self._start()
+            action(*args)
+        except Exception as error:
+            if self.fail_on_error:
+                raise RuntimeError(f"MLflow at {self.tracking_uri}: {' '.join(str(error).split())[:500]}") from error
+            self._failed = True
+            log.warning("MLflow at %s failed (%s); training goes on without it (logger.mlflow.fail_on_error=false), "
+                        "and the run folder keeps every metric", self.tracking_uri, " ".join(str(error).split())[:300])
+
+    def _start(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        with store_lock(self.tracking_uri):
+            experiment_id = _experiment_id(client, self.experiment_name, self._artifact_location())
+        saved = read_saved_run(self.root / RUN_RECORD)
+        run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
+        if run is not None:
+            client.update_run(run.info.run_id, status="RUNNING")
+            log.info("continuing MLflow run %s (experiment %s) at %s", run.info.run_id, run.info.experiment_id,
+                     self.tracking_uri)
+        else:
+            run = client.create_run(experiment_id, run_name=self.run_name, tags=self._run_tags())
+            save_run(self.root / RUN_RECORD, {"tracking_uri": self.tracking_uri, "experiment_id": experiment_id,
+                                              "run_id": run.info.run_id})
+            log.info("MLflow run %s in experiment %s at %s", run.info.run_id, self.experiment_name, self.tracking_uri)
+        self._client, self.run_id = client, run.info.run_id
+        self._params = dict(run.data.params)
+        self._log_params(flatten(read_settings(str(self.root))))
+
+    def _artifact_location(self) -> Optional[str]:
+        """Beside a SQLite database, its artifacts (MLflow's own default is ./mlruns, wherever the run starts)."""
+        path = sqlite_path(self.tracking_uri)
+        return (path.parent / "mlartifacts").resolve().as_uri() if path is not None else None
+
+    def _run_tags(self) -> dict[str, str]:
+        tags = {"runner.run_dir": str(self.job.run_dir), "runner.stage": self.job.stage}
+        if self.job.sweep_dir is not None:
+            tags["runner.sweep_dir"] = str(self.job.sweep_dir)
+            tags["runner.job_num"] = "" if self.job.number is None else str(self.job.number)
+        return {**tags, **self.tags}
+
+    def _log_params(self, params: Mapping[str, Any]) -> None:
+        """New params only: MLflow refuses to change a run's param, so a resumed run keeps its first values."""
+        from mlflow.entities import Param
+        from mlflow.utils import validation
+
+        value_limit = getattr(validation, "MAX_PARAM_VAL_LENGTH", 500)
+        key_limit = getattr(validation, "MAX_ENTITY_KEY_LENGTH", 250)
+        batch = getattr(validation, "MAX_PARAMS_TAGS_PER_BATCH", 100)
+        values = {cut(_param_key(k), key_limit): cut(str(v), value_limit) for k, v in params.items()}
+        changed = sorted(k for k, v in values.items() if k in self._params and self._params[k] != v)
+        if changed:
+            log.warning("MLflow run %s keeps the params it started with; this attempt differs in %s", self.run_id,
+                        ", ".join(f"{k} ({self._params[k]} -> {values[k]})" for k in changed[:5]))
+        new = [Param(k, v) for k, v in values.items() if k not in self._params]
+        for start in range(0, len(new), batch):
+            self._client.log_batch(self.run_id, params=new[start:start + batch])
+        self._params.update((p.key, p.value) for p in new)
+
+    def _log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        batch = [Metric(name, float(value), stamp, step) for name, value in metrics.items()]
+        for start in range(0, len(batch), 1000):  # MLflow's largest batch of metrics
+            self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+        self._logged.update(metrics)
+        self._last_step = max(self._last_step, step)
+
+    def _log_end(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+        """The final metrics that no step logged join the last step (as in TensorBoard and metrics.csv)."""
+        self._log_params(params)
+        unlogged = {name: value for name, value in metrics.items() if name not in self._logged}
+        if unlogged:
+            self._log_metrics(unlogged, self._last_step)
+
+    def _finish(self, status: str) -> None:
+        hydra = self.root / ".hydra"
+        for name in _HYDRA_FILES:
+            if (hydra / name).is_file():
+                self._client.log_artifact(self.run_id, str(hydra / name), ".hydra")
+        if (self.root / "metrics.json").is_file():
+            self._client.log_artifact(self.run_id, str(self.root / "metrics.json"))
+        for path in self._checkpoints():
+            self._client.log_artifact(self.run_id, str(path), "checkpoints")
+        self._client.set_terminated(self.run_id, status=status)
+
+    def _checkpoints(self) -> list[Path]:
+        folder = self.root / "checkpoints"
+        if self.log_checkpoints == "all":
+            return sorted(p for p in folder.glob("*") if p.is_file() and ".tmp-" not in p.name)
+        if self.log_checkpoints in ("best", "last"):
+            return sorted(folder.glob(f"{self.log_checkpoints}.ckpt*"))  # the file and what is written with it
+        return []
+
+
+def _probe(uri: str) -> int:
+    """The HTTP status of one search of the server's experiments: no retries, ten seconds at most."""
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        from mlflow.utils.credentials import get_default_host_creds
+    except ImportError:  # MLflow 2
+        from mlflow.tracking._tracking_service.utils import get_default_host_creds
+    response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
+                            max_retries=0, timeout=10, raise_on_status=False, params={"max_results": 1})
+    return response.status_code
+
+
+def _experiment_id(client: Any, name: str, artifact_location: Optional[str]) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        if experiment.lifecycle_stage == "deleted":
+            raise ValueError(f"the MLflow experiment {name!r} is deleted: restore it (mlflow experiments restore "
+                             f"--experiment-id {experiment.experiment_id}) or choose logger.mlflow.experiment_name")
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:  # another job of the sweep created it first (a server's store has no lock here)
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def _active_run(client: Any, saved: Mapping[str, Any]) -> Any:
+    """The saved run, when the store still has it and it is not deleted."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(str(saved.get("run_id")))
+    except MlflowException:
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
+
+
+def _param_key(key: str) -> str:
+    """MLflow's key characters: letters, digits, `_ - . / ` and spaces; any other becomes `_`."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
