@@ -99,8 +99,9 @@ def _runs_of_this_config(cfg: DictConfig, root: Path, name: str) -> list[Path]:
     for path in (p for pattern in (f"*/checkpoints/{name}", f"*/*/checkpoints/{name}") for p in root.glob(pattern)):
         run = path.parent.parent
         try:
-            owned = all(p.lstat().st_uid == os.getuid() for p in (path, path.parent, run, run / ".hydra" /
-                                                                  "resolved.yaml"))
+            # stat, not lstat: a link of this user's to another user's checkpoint is that user's checkpoint.
+            owned = all(p.stat().st_uid == os.getuid() for p in (path, path.parent, run, run / ".hydra" /
+                                                                 "resolved.yaml"))
         except OSError:
             continue
         if owned and _signature(_resolved_of(run), keys) == mine:

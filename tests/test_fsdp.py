@@ -16,7 +16,8 @@ from torch import nn
 import runner
 from _dist import run_ranks
 from conftest import TINY, compose_config
-from runner.checkpoint_io import CheckpointError, sharded
+from runner.checkpoint_io import sharded
+from runner.config import ConfigError
 from runner.export import main as export_main
 from runner.models import MLP
 
@@ -66,7 +67,8 @@ def last(run: Path, name: str = "last.ckpt") -> Path:
 def test_fsdp_trains_the_weights_ddp_trains_and_saves_every_ranks_shards(runs: dict[str, Path]) -> None:
     folder = last(runs["fsdp"])
     assert folder.is_dir() and sharded.is_sharded(folder)
-    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                       "checksums.json", "state.pt"]
     assert not list(folder.parent.glob(".*tmp-*"))  # every save was renamed into place
     fsdp, ddp = read(folder), read(last(runs["ddp"]))
     assert fsdp["step"] == 12
@@ -135,12 +137,17 @@ def test_a_truncated_shard_is_named_in_one_line(runs: dict[str, Path], tmp_path:
     shutil.copytree(last(runs["fsdp"]), damaged)
     shard = damaged / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    message = (f"cannot load sharded checkpoint {damaged}: RuntimeError: PytorchStreamReader failed reading zip "
-               "archive: failed finding central directory; a shard file is damaged or truncated")
+    message = f"cannot load sharded checkpoint {damaged}: __0_0.distcp does not match the checksum written with it"
     assert export_main([str(damaged), str(tmp_path / "w.pt")]) == 1
     assert message in capsys.readouterr().err
-    with pytest.raises(CheckpointError, match=re.escape(message)):  # resumed whole, on one process
+    with pytest.raises(ConfigError, match=re.escape(message)):  # resumed whole, on one process: before it starts
         fit(tmp_path / "run", "trainer.max_steps=14", f"trainer.ckpt_path={damaged}", "data.batch_size=32")
+    # Without its checksums (trusted), DCP's own failure is the line.
+    (damaged / "checksums.json").unlink()
+    assert export_main([str(damaged), str(tmp_path / "w.pt"), "--trust-unchecked"]) == 1
+    assert (f"cannot load sharded checkpoint {damaged}: RuntimeError: PytorchStreamReader failed reading zip "
+            "archive: failed finding central directory; a shard file is damaged or truncated"
+            ) in capsys.readouterr().err
 
 
 def test_bf16_mixed_activation_checkpointing_async_saves_and_best_checkpoints(runs: dict[str, Path],

@@ -41,10 +41,17 @@ def train(run_dir: Path, *overrides: str) -> dict:
     return runner.fit(compose_config([*SMALL, *overrides]), run_dir=run_dir)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(run)
+    return run
+
+
 @pytest.fixture
-def plain(tmp_path: Path) -> Path:
-    """A checkpoint file of a 2-step run."""
-    train(tmp_path / "run")
+def plain(trained: Path, tmp_path: Path) -> Path:
+    """The checkpoint file of a 2-step run, in a copy of its run folder that the test may change."""
+    shutil.copytree(trained, tmp_path / "run")
     return tmp_path / "run" / "checkpoints" / "last.ckpt"
 
 

@@ -76,9 +76,11 @@ def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process writing: meant
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group,
+                 no_dist=not dist.is_initialized())
     if rest is not None:
         with open(tmp / STATE_FILE, "wb") as file:
             torch.save(rest, file)

@@ -64,7 +64,8 @@ class TorchCheckpointIO(CheckpointIO):
                 "expected a dict such as {'model': ..., 'optimizer': ..., 'step': ...}"
             )
         stored = checkpoint.pop(CHECKSUM_KEY, None)  # files written elsewhere have none
-        if stored is None and require_checksum is not None:
+        # A dict that is no training checkpoint at all (no model and step) is named as such by the caller.
+        if stored is None and require_checksum is not None and {"model", "step"} <= checkpoint.keys():
             from runner.checkpoint_io.manifest import UNCHECKED_ADVICE, log
 
             if require_checksum:
