@@ -55,6 +55,7 @@ class TrainerConfig:
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
     keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
     compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
+    peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
 
 
 @dataclass
@@ -345,6 +346,8 @@ def _check_trainer(t: DictConfig) -> Iterator[str]:
         yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
     if not (_is_int(t.seed) and 0 <= t.seed <= _SEED_LIMIT):
         yield f"trainer.seed={t.seed} must be an integer from 0 to 2**63-1"
+    if t.get("peak_tflops") is not None and not 0 < t.peak_tflops < math.inf:
+        yield f"trainer.peak_tflops={t.peak_tflops} must be a positive number (one device's TFLOP/s), or null"
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
                "e.g. trainer.compile={mode:max-autotune}")

@@ -19,6 +19,7 @@ import torch
 from runner.callbacks import Callbacks
 from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import DEFAULT_EPOCHS, ConfigError
+from runner.flops import StepFlops
 from runner.metrics import MetricSet
 from runner.tasks.base import StepWeights, plural
 
@@ -194,6 +195,7 @@ class Loop:
         self._last_log_step = -1
         self._pending: _PendingLog | None = None
         self._periodic: Optional[list[Path]] = None  # the step-N checkpoints on disk or being written
+        self.flops = StepFlops(strategy, task, wrapped, train.batch_size, trainer_cfg.get("peak_tflops"))
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -221,6 +223,8 @@ class Loop:
                 if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
                     p.batch = s.batches_per_epoch
                     break
+                if self.flops.pending:  # once, on the meta device; its seconds are no step's
+                    self._tick += self.flops.count(window)
                 p.batch += s.accumulate
                 self._train_step(window)
                 stopped = self._after_step()
@@ -320,6 +324,7 @@ class Loop:
         metrics = {f"train/{name}": value for name, value in self.task.task.compute(sums).items()}
         metrics.update({"lr": pending.lr, "throughput/samples_per_s": sums["samples"] / seconds,
                         f"throughput/{plural(self.task.task.unit)}_per_s": sums["units"] / seconds, **pending.extra})
+        metrics.update(self.flops.metrics(sums["samples"], seconds))
         if self.guard.enabled:
             metrics["train/skipped_steps"] = float(pending.skipped)
         self.progress.metrics.update(metrics)
