@@ -249,11 +249,41 @@ def build_metrics(cfg: DictConfig, strategy: Any) -> Any:
 
 
 def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
+    """The optimizer over `parameters` (already on their device); AdamW, Adam and SGD run fused on CUDA."""
+    parameters = list(parameters)
+    extra = fused_setting(cfg.optimizer, {t.device.type for t in _tensors(parameters)})
+    if extra:
+        logging.getLogger("runner").info("optimizer: fused=True (every parameter is on CUDA); +optimizer.foreach=true "
+                                         "runs torch's own default, the multi-tensor update, instead")
     try:
-        return instantiate(cfg.optimizer)(parameters)
+        return instantiate(cfg.optimizer)(parameters, **extra)
     except (TypeError, ValueError) as error:  # e.g. lr=-1: a config problem, not a bug
         raise ConfigError([f"optimizer ({cfg.optimizer._target_}) does not accept its settings: "
                            f"{_one_line(error)}"]) from error
+
+
+# Optimizers whose single fused kernel per step torch offers on CUDA (its default there is the multi-kernel foreach).
+FUSED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+def fused_setting(node: DictConfig, device_types: set[str]) -> dict:
+    """{"fused": True} for AdamW, Adam and SGD (and their subclasses) when every parameter is on CUDA and the
+    config chose neither `fused` nor `foreach` (nor `differentiable`, which fused refuses); else {}."""
+    target = get_method(node._target_)
+    fusable = inspect.isclass(target) and issubclass(target, FUSED_OPTIMIZERS) and _accepts(target, "fused")
+    chosen = any(node.get(key) is not None for key in ("fused", "foreach")) or bool(node.get("differentiable"))
+    return {"fused": True} if fusable and not chosen and device_types == {"cuda"} else {}
+
+
+def _tensors(parameters: list) -> Iterator[torch.Tensor]:
+    """The tensors of a parameter list: tensors, (name, tensor) pairs, or groups {"params": [...]}."""
+    for item in parameters:
+        if isinstance(item, dict):
+            yield from _tensors(list(item.get("params", [])))
+        elif isinstance(item, tuple):
+            yield item[-1]
+        else:
+            yield item
 
 
 def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: Optional[int] = None) -> Any:

@@ -61,6 +61,12 @@ class FSDPStrategyConfig(_ProcessesConfig):
 
 
 @dataclass
+class FullPrecisionConfig:
+    _target_: str = "runner.precision.Precision"
+    tf32: bool = True  # on CUDA: float32 matmuls on TF32 tensor cores; false: full float32
+
+
+@dataclass
 class MixedPrecisionConfig:
     _target_: str = "runner.precision.MixedPrecision"
     precision: str = MISSING  # 16-mixed | bf16-mixed
@@ -124,6 +130,7 @@ SCHEMAS: dict[str, Any] = {
     "strategy_auto": AutoStrategyConfig,
     "strategy_ddp": DDPStrategyConfig,
     "strategy_fsdp": FSDPStrategyConfig,
+    "precision_full": FullPrecisionConfig,
     "precision_mixed": MixedPrecisionConfig,
     "precision_half": HalfPrecisionConfig,
     "task_classification": ClassificationTaskConfig,

@@ -22,6 +22,18 @@ def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     return apply_to_tensors(data, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
+def tf32_settings() -> tuple[str, bool]:
+    """(torch's float32 matmul precision: "highest" or "high" (TF32), whether cuDNN convolutions may use TF32)."""
+    return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+
+
+def set_tf32_settings(settings: tuple[str, bool]) -> None:
+    # torch's one switch for every backend: per-backend flags (fp32_precision) would make the
+    # backend-wide query that inductor and other code read raise.
+    torch.set_float32_matmul_precision(settings[0])
+    torch.backends.cudnn.allow_tf32 = settings[1]
+
+
 class Precision:
     """32-true: parameters, inputs and outputs stay float32; every hook is the plain fp32 action.
 
@@ -33,9 +45,22 @@ class Precision:
     _dtype: torch.dtype | None = None
     skips_nonfinite_steps: bool = False  # True where optimizer_step itself skips steps with inf/NaN gradients
 
-    def __init__(self) -> None:
+    def __init__(self, tf32: bool = True) -> None:
+        """`tf32` (32-true on CUDA): float32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa
+        inputs, float32 accumulation), as Lightning recommends; False keeps them in full float32."""
+        if not isinstance(tf32, bool):
+            raise ValueError(f"precision.tf32={tf32!r} must be true or false")
+        self.tf32 = tf32
+        self._tf32_before: tuple | None = None  # the process's settings to put back at teardown
         # Default dtype to put back if a module_init_context is still open at teardown.
         self._dtype_before_init: torch.dtype | None = None
+
+    def setup(self, device: torch.device) -> None:
+        """Once the process has its device: 32-true on CUDA sets TF32 on or off (a process-wide setting)."""
+        if device.type != "cuda" or self.precision != "32-true" or self._tf32_before is not None:
+            return
+        self._tf32_before = tf32_settings()
+        set_tf32_settings(("high", True) if self.tf32 else ("highest", False))
 
     def module_init_context(self) -> AbstractContextManager:
         """Context in which the model is constructed, so its parameters are born in the compute dtype."""
@@ -89,7 +114,11 @@ class Precision:
         run resume under a different precision."""
 
     def teardown(self) -> None:
-        """Put back the default dtype if the loop stopped while a module_init_context was open."""
+        """Put back the TF32 settings, and the default dtype if the loop stopped while a module_init_context was
+        open."""
+        if self._tf32_before is not None:
+            set_tf32_settings(self._tf32_before)
+            self._tf32_before = None
         if self._dtype_before_init is not None:
             torch.set_default_dtype(self._dtype_before_init)
             self._dtype_before_init = None

@@ -72,6 +72,7 @@ class Strategy:
     # -- set-up ---------------------------------------------------------------------------------
     def setup_environment(self) -> None:
         self.accelerator.setup_device(self.root_device)
+        self.precision.setup(self.root_device)
 
     def module_to_device(self, module: nn.Module) -> None:
         module.to(self.root_device)
