@@ -587,7 +587,7 @@ _PROBED_STEPS = 200_000
 def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = None) -> Iterator[str]:
     """Both built over one parameter, and the scheduler stepped over the run's `planned` optimizer steps (a few
     when they are not known here): its arithmetic runs at its steps, and the rates it gives must train."""
-    from runner.schedulers import learning_rates, schedule_problem
+    from runner.schedulers import learning_rates
 
     try:
         optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
@@ -616,8 +616,15 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
         yield (f"scheduler ({cfg.scheduler._target_}) fails {steps} with "
                f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
         return
-    reference = _reference_lr(cfg, optimizer)
-    problem = planned and schedule_problem(rates, planned, reference)
+    if planned:
+        yield from _check_rates(cfg, rates, planned, _reference_lr(cfg, optimizer))
+
+
+def _check_rates(cfg: DictConfig, rates: list[float], planned: int, reference: float) -> Iterator[str]:
+    """The rates a schedule gives over the run's planned steps, named with the scheduler's settings."""
+    from runner.schedulers import schedule_problem
+
+    problem = schedule_problem(rates, planned, reference)
     if problem:
         told = cfg.scheduler.get("total_steps")
         hint = (f" (scheduler.total_steps={told}, the run {planned}: leave scheduler.total_steps out and the runner "
@@ -633,11 +640,13 @@ _STEP_COUNTS = {"step_size": 1, "step_size_up": 1, "step_size_down": 1, "T_max":
 
 
 def _check_scheduler_steps(cfg: DictConfig) -> Iterator[str]:
+    """Step counts below what they mean anything at, before a probe steps the scheduler with them."""
     for key, least in _STEP_COUNTS.items():
         value = cfg.scheduler.get(key)
         if _is_int(value) and value < least:
             yield (f"scheduler.{key}={value} must be a number of optimizer steps, at least {least} "
                    f"({cfg.scheduler._target_})")
+
 
 def _reference_lr(cfg: DictConfig, optimizer: Any) -> float:
     """What a schedule's rates are measured against: optimizer.lr, or a peak the scheduler sets itself (max_lr)."""
