@@ -145,6 +145,25 @@ def test_dcp_load_itself_reads_the_metadata_safely(plain: Path, tmp_path: Path) 
     assert not marker.exists()
 
 
+def test_metadata_that_points_outside_its_folder_or_calls_torch_is_refused(plain: Path, tmp_path: Path) -> None:
+    from runner.checkpoint_io.dcp_metadata import read_metadata
+
+    folder = as_sharded(plain, tmp_path / "sharded.ckpt")
+    metadata = read_metadata(folder)
+    next(iter(metadata.storage_data.values())).relative_path = "../../etc/passwd"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest.write(folder)
+    assert "points at '../../etc/passwd', not a part of a shard file" in check(folder)
+
+    class CallsTorch:
+        def __reduce__(self):
+            return (torch.load, (str(plain),))
+
+    (folder / ".metadata").write_bytes(pickle.dumps(CallsTorch()))
+    manifest.write(folder)
+    assert "names torch.serialization.load, which DCP's metadata never holds" in check(folder)
+
+
 def _evil_torch_file(path: Path) -> None:
     """A torch.save'd checkpoint whose pickle names `evilmod.Thing` (made here from a module object in memory)."""
     import types

@@ -79,20 +79,25 @@ def read_metadata(folder: Any) -> Any:
 
 def _shape_problem(metadata: Any, metadata_class: type) -> str:
     """What makes unpickled data unfit to be read as the runner's metadata ('' when it fits)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     if not isinstance(metadata, metadata_class):
         return f"it holds a {type(metadata).__name__}"
-    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.planner_data, dict):
+    entries = (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data)
+    if not all(isinstance(entry, dict) for entry in entries):
         return "its entries are not dicts"
     for key in metadata.state_dict_metadata:
         where = metadata.planner_data.get(key)
         if not (isinstance(where, tuple) and where and all(isinstance(part, str) for part in where)):
             return f"entry {key!r} has no place in the checkpoint"
-    for info in (metadata.storage_data or {}).values():
+    for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         # Shards are files of this folder, read as written: another path or a transform is not the runner's.
-        if not (isinstance(name, str) and _SHARD_NAME.fullmatch(name)) or getattr(info, "transform_descriptors",
-                                                                                  None):
-            return f"it points at {name!r}, not a shard file of this folder"
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo) and isinstance(name, str)
+                and _SHARD_NAME.fullmatch(name) and not info.transform_descriptors
+                and all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length))):
+            return f"its entry {getattr(index, 'fqn', index)!r} points at {name!r}, not a part of a shard file"
     return ""
 
 
