@@ -617,20 +617,20 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
                f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
         return
     if planned:
-        yield from _check_rates(cfg, rates, planned, _reference_lr(cfg, optimizer))
+        yield from _check_rates(cfg, rates, planned, optimizer)
 
 
-def _check_rates(cfg: DictConfig, rates: list[float], planned: int, reference: float) -> Iterator[str]:
+def _check_rates(cfg: DictConfig, rates: list[float], planned: int, optimizer: Any) -> Iterator[str]:
     """The rates a schedule gives over the run's planned steps, named with the scheduler's settings."""
     from runner.schedulers import schedule_problem
 
-    problem = schedule_problem(rates, planned, reference)
+    problem = schedule_problem(rates, planned, _reference_lr(cfg, optimizer))
     if problem:
         told = cfg.scheduler.get("total_steps")
         hint = (f" (scheduler.total_steps={told}, the run {planned}: leave scheduler.total_steps out and the runner "
                 "passes the run's count)" if told is not None and told != planned else "")
         yield (f"scheduler ({cfg.scheduler._target_}: {_settings('scheduler', cfg.scheduler) or 'its defaults'}) "
-               f"with optimizer.lr={reference:g}: {problem}{hint}")
+               f"with optimizer.lr={optimizer.defaults.get('lr', 0.0):g}: {problem}{hint}")
 
 
 # Settings of torch's schedulers counted in optimizer steps, which their constructors take unchecked, with the least

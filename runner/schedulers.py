@@ -95,8 +95,8 @@ def schedule_problem(rates: Sequence[float], planned: int, reference: float) -> 
     high = next((i for i, lr in enumerate(rates) if lr > MAX_RISE * reference * (1 + 1e-9)), None)  # rounding
     if high is not None:
         return (f"the learning rate rises to {rates[high]:.3g} at step {high + 1} of the run's {planned}, over "
-                f"{MAX_RISE:g}x the optimizer's lr={reference:g}: a schedule may rise to {MAX_RISE:g}x at most "
-                "(set a higher optimizer.lr for a higher peak)")
+                f"{MAX_RISE:g}x the configured {reference:g}: a schedule may rise to {MAX_RISE:g}x at most (set a "
+                "higher optimizer.lr for a higher peak)")
     zero_from = len(rates)
     while zero_from > 0 and rates[zero_from - 1] == 0:
         zero_from -= 1

@@ -33,7 +33,8 @@ REFUSED = [
     ("negative-step-size", ["scheduler=step", "scheduler.step_size=-1"],
      "scheduler.step_size=-1 must be a number of optimizer steps, at least 1 (torch.optim.lr_scheduler.StepLR)"),
     ("growing-tenfold", ["scheduler=step", "scheduler.gamma=10", "scheduler.step_size=1"],
-     "the learning rate rises to 0.3 at step 3 of the run's 3, over 10x the optimizer's lr=0.003"),
+     "with optimizer.lr=0.003: the learning rate rises to 0.3 at step 3 of the run's 3, over 10x the "
+     "configured 0.003: a schedule may rise to 10x at most"),
     ("factor-zero", ["scheduler=constant", "scheduler.factor=0"],
      "scheduler (torch.optim.lr_scheduler.ConstantLR: scheduler.factor=0, scheduler.total_iters=0) with "
      "optimizer.lr=0.003: the learning rate is 0 for the whole run (3 optimizer steps): nothing trains"),
@@ -168,6 +169,18 @@ def test_a_prefix_of_a_long_run_judges_no_zero_tail() -> None:
     assert schedule_problem([0.1, 0.0, 0.0], 300_000, 0.1) is None
     assert schedule_problem([0.0, 0.0], 300_000, 0.1) == ("the learning rate is 0 for the first 2 steps of the "
                                                           "run's 300000: nothing trains")
+
+
+def test_a_long_run_is_probed_over_a_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the probed steps nothing is said: a rise at step 7 of 10 goes unseen when 5 are probed."""
+    from runner import instantiate
+
+    cfg = compose_config([*BASE, "scheduler=step", "scheduler.gamma=100", "scheduler.step_size=6",
+                          "trainer.max_steps=10"])
+    with pytest.raises(ConfigError, match="rises to 0.3 at step 7 of the run's 10"):
+        instantiate.validate(cfg)
+    monkeypatch.setattr(instantiate, "_PROBED_STEPS", 5)
+    instantiate.validate(cfg)
 
 
 # -- a YAML error in the user's config folder --------------------------------------------------------------
