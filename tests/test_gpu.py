@@ -18,6 +18,7 @@ import torch
 
 import runner
 from conftest import compose_config, load_checkpoint
+from runner.flops import peak_tflops
 
 pytestmark = [
     pytest.mark.cuda,
@@ -104,8 +105,6 @@ def test_tf32_on_and_off_both_train(tmp_path: Path) -> None:
 
 
 def test_mfu_is_logged_against_the_gpus_peak(tmp_path: Path) -> None:
-    from runner.flops import peak_tflops
-
     if peak_tflops(torch.cuda.get_device_name(0), "bf16") is None:
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in runner.flops.PEAK_TFLOPS")
     metrics = fit(tmp_path, "precision=bf16-mixed", "model.hidden=512", "data.batch_size=256")
@@ -118,8 +117,9 @@ def test_charlm_bf16_mixed_learns_and_logs_its_flop_rate(tmp_path: Path) -> None
                           "trainer.max_steps=60", "trainer.val_check_interval=60", "data.max_bytes=300000"])
     metrics = runner.fit(cfg, run_dir=tmp_path)
     assert metrics["val/loss"] < 3.5  # from 5.5 nats a byte, a uniform guess
-    assert 0 < metrics["throughput/mfu"] < 1 or "throughput/mfu" not in metrics
     assert metrics["throughput/tflops_per_s"] > 0
+    if peak_tflops(torch.cuda.get_device_name(0), "bf16") is not None:
+        assert 0 < metrics["throughput/mfu"] < 1
 
 
 def test_fsdp_on_cuda_resumes_where_it_stopped(tmp_path: Path) -> None:
