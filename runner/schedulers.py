@@ -89,14 +89,14 @@ def schedule_problem(rates: Sequence[float], planned: int, reference: float) -> 
     end). When `rates` covers a prefix of the run only, a zero tail is not judged unless the whole prefix is 0.
     """
     bad = next((i for i, lr in enumerate(rates) if not (math.isfinite(lr) and lr >= 0)), None)
-    if bad is not None:
-        return (f"the learning rate is {rates[bad]:.3g} at step {bad + 1} of the run's {planned}: it must stay "
-                "positive and finite (a negative rate climbs the loss)")
     high = next((i for i, lr in enumerate(rates) if lr > MAX_RISE * reference * (1 + 1e-9)), None)  # rounding
-    if high is not None:
+    if high is not None and (bad is None or high < bad):  # the first that goes wrong
         return (f"the learning rate rises to {rates[high]:.3g} at step {high + 1} of the run's {planned}, over "
                 f"{MAX_RISE:g}x the configured {reference:g}: a schedule may rise to {MAX_RISE:g}x at most (set a "
                 "higher optimizer.lr for a higher peak)")
+    if bad is not None:
+        return (f"the learning rate is {rates[bad]:.3g} at step {bad + 1} of the run's {planned}: it must stay "
+                "positive and finite (a negative rate climbs the loss)")
     zero_from = len(rates)
     while zero_from > 0 and rates[zero_from - 1] == 0:
         zero_from -= 1

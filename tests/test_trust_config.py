@@ -162,6 +162,8 @@ def test_zero_at_the_last_step_alone_is_a_decays_end() -> None:
 def test_non_finite_and_negative_rates_are_refused() -> None:
     assert "is nan at step 2" in schedule_problem([0.1, math.nan], 2, 0.1)
     assert "is -0.1 at step 1" in schedule_problem([-0.1, 0.1], 2, 0.1)
+    # The first step that goes wrong is named: a rise that later overflows to inf is a rise.
+    assert "rises to 10 at step 2 of the run's 3" in schedule_problem([0.1, 10.0, math.inf], 3, 0.1)
 
 
 def test_a_prefix_of_a_long_run_judges_no_zero_tail() -> None:
