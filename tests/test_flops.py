@@ -3,6 +3,7 @@ checked on CPU."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -91,6 +92,7 @@ def test_the_peak_follows_the_precision_and_tf32() -> None:
 def test_a_cpu_run_logs_the_flop_rate_and_mfu_only_with_a_peak(make_cfg: MakeCfg, tmp_path: Path) -> None:
     plain = runner.fit(make_cfg(), run_dir=tmp_path / "plain")
     assert plain["throughput/tflops_per_s"] > 0 and "throughput/mfu" not in plain
+    assert json.loads((tmp_path / "plain" / "metrics.json").read_text())["throughput/tflops_per_s"] > 0
     model = build.build_model(make_cfg())
     batch = (torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
     per_sample = count_flops(TaskModule(model, build.build_task(make_cfg()), Precision()), batch) / 16
