@@ -81,7 +81,8 @@ class TorchCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        remove_path(os.fspath(path))  # a folder too: a sharded checkpoint an earlier strategy=fsdp run left
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.fspath(path))  # a sharded folder is the strategy's to remove, never any other folder
 
 
 def _write_atomic(checkpoint: dict, path: str) -> None:
