@@ -211,8 +211,8 @@ def _damaged(err: BaseException) -> bool:
     """A load failure from the bytes themselves, not from objects torch's weights-only loader refuses.
 
     A flipped byte in the pickle shows up as an opcode the loader does not know, a global that is not a name
-    (bytes that spell no identifier), or a name missing from a module loaded already (`collections.OrderddDict`). Nothing is
-    imported to decide: a module the file names could run code. Any other global was saved on purpose.
+    (bytes that spell no identifier), or a name missing from a module loaded already (`collections.OrderddDict`).
+    Nothing is imported to decide: a module the file names could run code. Any other global was saved on purpose.
     """
     text = _one_line(err)
     if isinstance(err, (OSError, EOFError, KeyError)) or re.search(r"PytorchStreamReader|ZIP archive|central directory|"
