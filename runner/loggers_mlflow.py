@@ -160,8 +160,8 @@ class MLflowLogger:
     def _start(self) -> None:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.tracking_uri)
-        with store_lock(self.tracking_uri):
+        with store_lock(self.tracking_uri):  # the client opens (and may create) the store when it is made
+            client = MlflowClient(tracking_uri=self.tracking_uri)
             experiment_id = _experiment_id(client, self.experiment_name, self._artifact_location())
         saved = read_saved_run(self.root / RUN_RECORD)
         run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None

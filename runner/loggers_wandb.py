@@ -65,6 +65,9 @@ class WandbLogger:
         elif saved.get("id") and self._resumed:
             log.warning("W&B cannot resume offline run %s: this attempt is a new run in group %s (wandb sync "
                         "uploads both)", saved["id"], self.group)
+        if self.mode != "online":
+            # The process-wide settings too: W&B's own usage telemetry goes by them, not by init's mode.
+            self._wandb.setup(self._wandb.Settings(mode=self.mode))
         self.run = self._wandb.init(
             dir=str(self.root), project=self.project, entity=self.entity, mode=self.mode, name=self.name,
             group=self.group, job_type=self.job_type, tags=self.tags, notes=self.notes,
