@@ -100,6 +100,7 @@ class RunFolders(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_folder(config.hydra.run.dir, "hydra.run.dir")
+        _take_run_folder(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
@@ -150,6 +151,20 @@ def write_error_reason(path: Path, error: OSError) -> str:
     if error.errno == errno.EROFS:
         return f"{path} is on a read-only file system"
     return f"{os.strerror(error.errno) if error.errno else error} in {path}"
+
+
+def _take_run_folder(folder: str) -> None:
+    """A second run in a live run's folder is refused before Hydra writes its files there (runner.run_lock)."""
+    from runner import run_lock
+
+    environment = _external_environment()
+    if environment is not None and environment.global_rank() != 0:
+        return  # a rank > 0 of torchrun or srun: its Hydra folder is the system's temporary one
+    try:
+        run_lock.acquire(Path(folder))
+    except run_lock.RunFolderBusy as busy:
+        _report(busy)
+        raise SystemExit(1) from None
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
@@ -232,6 +247,10 @@ def main() -> None:
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
         print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    finally:
+        from runner import run_lock
+
+        run_lock.release_all()  # the run folder this process took before Hydra wrote in it (in-process callers)
     if failed_jobs:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
         sys.exit(1)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner import run_lock
 from runner.config import ConfigError, make_unique_dir
 from runner.entry import end_with_parent
 from runner.instantiate import build_strategy, validate
@@ -32,7 +33,7 @@ def is_user_error(error: BaseException) -> bool:
     from runner.tasks import BatchError
 
     known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
-             BatchError, CallbackError)
+             BatchError, CallbackError, run_lock.RunFolderBusy)
     return isinstance(error, known)
 
 
@@ -182,9 +183,6 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
     validate(cfg, ckpt_path)
     check_writable(cfg, run_dir)
-    if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():  # said once the run will start
-        log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
-                    "(trainer.ckpt_path=last continues it instead)", run_dir)
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -192,21 +190,34 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     if _external(strategy) and strategy.global_rank != 0:
         # torchrun or srun started this rank: rank 0 writes the run folder, whose path it broadcasts.
         return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
-    save_job_logging(run_dir, job_logging)
-    config_file = run_dir / ".hydra" / "resolved.yaml"
-    config_file.parent.mkdir(parents=True, exist_ok=True)
+    run_lock.acquire(run_dir)  # before this run writes anything in the folder; kept until the job ends
+    try:
+        if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():  # said once the run will start
+            log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
+                        "(trainer.ckpt_path=last continues it instead)", run_dir)
+        save_job_logging(run_dir, job_logging)
+        _write_config_record(cfg, resolved, run_dir)
+        launcher = strategy.launcher
+        restarts = cfg.trainer.get("max_restarts", 0)
+        if launcher is None and restarts and not _external(strategy):
+            # Restarts need a supervising process: run the single worker under the launcher too.
+            launcher = ElasticLauncher(1, "popen")
+        if launcher is None:
+            return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
+        launcher.max_restarts = restarts
+        log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
+        # The workers read their own copy, in the launch's private folder: nothing written into the run folder
+        # meanwhile changes what they build.
+        launcher.launch(resolved, run_dir, deterministic=cfg.trainer.deterministic)
+        return json.loads((run_dir / "metrics.json").read_text())
+    finally:
+        run_lock.release(run_dir)
+
+
+def _write_config_record(cfg: DictConfig, resolved: DictConfig, run_dir: Path) -> None:
+    """.hydra/resolved.yaml: what this job runs, for the user and for `last`/`best` searches (workers never
+    read it)."""
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it
         OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    OmegaConf.save(resolved, config_file)
-    launcher = strategy.launcher
-    restarts = cfg.trainer.get("max_restarts", 0)
-    if launcher is None and restarts and not _external(strategy):
-        # Restarts need a supervising process: run the single worker under the launcher too.
-        launcher = ElasticLauncher(1, "popen")
-    if launcher is not None:
-        launcher.max_restarts = restarts
-    if launcher is None:
-        return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
-    log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
-    launcher.launch(config_file, run_dir, deterministic=cfg.trainer.deterministic)
-    return json.loads((run_dir / "metrics.json").read_text())
+    OmegaConf.save(resolved, run_dir / ".hydra" / "resolved.yaml")

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal, Optional
 
 from runner.entry import SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY
 
@@ -57,10 +57,14 @@ class WorkerFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def _worker_environment(num_processes: int, deterministic: bool, registry: Path) -> Iterator[None]:
+def _worker_environment(num_processes: int, deterministic: bool, scratch: Path) -> Iterator[None]:
     """Variables the workers inherit, set only around their start and restored afterwards."""
+    from runner.heartbeat import HEARTBEAT_DIR
+    from runner.loopback import loopback_interface
+
     saved = dict(os.environ)
-    os.environ[WORKER_REGISTRY] = str(registry)
+    os.environ[WORKER_REGISTRY] = str(scratch / "workers")
+    os.environ[HEARTBEAT_DIR] = str(scratch / "beats")
     if "OMP_NUM_THREADS" not in os.environ:
         # Workers sharing the cores evenly beat each starting one thread per core.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
@@ -68,6 +72,9 @@ def _worker_environment(num_processes: int, deterministic: bool, registry: Path)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # popen workers import the experiment code from where the user ran the command.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    interface = loopback_interface()
+    if interface:  # one node: gloo's and NCCL's connections between the workers listen on loopback alone
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
     try:
         yield
     finally:
@@ -97,75 +104,115 @@ def alive(pid: int) -> bool:
 
 
 class ElasticLauncher:
-    """`num_processes` workers on this node, each running `runner.entry` on the resolved config file."""
+    """`num_processes` workers on this node, each running `runner.entry` on the job's resolved config.
+
+    `stall_timeout`: seconds a worker may go without progress before the job ends naming it (runner.heartbeat);
+    None or 0: not watched.
+    """
 
     def __init__(self, num_processes: int, start_method: StartMethod = "popen", max_restarts: int = 0,
-                 shutdown_timeout: int = 30) -> None:
+                 shutdown_timeout: int = 30, stall_timeout: Optional[float] = None) -> None:
         self.num_processes = num_processes
         self.start_method = start_method
         self.max_restarts = max_restarts
         self.shutdown_timeout = shutdown_timeout
+        self.stall_timeout = stall_timeout
 
-    def launch(self, config_file: Path, run_dir: Path, deterministic: bool = False) -> None:
+    def launch(self, config: Any, run_dir: Path, deterministic: bool = False) -> None:
+        """Run the workers on `config` (the resolved job config) until they end; raise how a failed job failed."""
+        from omegaconf import OmegaConf
+
+        from runner.heartbeat import StallWatch
+
+        # Loaded here, a forked worker finds the worker code (and torch) imported already.
+        importlib.import_module("runner.worker")
+        remove_stale_scratch()
+        # The launch's private folder (mode 0700): the workers' config, error files, pids and heartbeats.
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        for folder in ("workers", "beats"):
+            (scratch / folder).mkdir()
+        OmegaConf.save(config, scratch / "config.yaml")
+        stop = _StopForwarder(self.shutdown_timeout, scratch / "workers")
+        watch = StallWatch(scratch / "beats", self.num_processes, self.stall_timeout, run_dir) \
+            if self.stall_timeout else contextlib.nullcontext()
+        try:
+            with _worker_environment(self.num_processes, deterministic, scratch), stop.installed(), watch, \
+                    _quiet_agent():
+                self._run_agent(scratch, run_dir, stop)
+        except _AgentFailed as failed:
+            if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C
+                raise JobStopped(stop.signum, run_dir) from None
+            if getattr(watch, "message", None):
+                raise WorkerFailed(watch.rank, watch.message) from None
+            raise failed.error from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if stop.signum:  # the workers stopped at a step, saved and returned
+            raise JobStopped(stop.signum, run_dir)
+
+    def _run_agent(self, scratch: Path, run_dir: Path, stop: "_StopForwarder") -> None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        from runner import entry
+        from runner import entry, loopback
 
-        # Loaded here, a forked worker finds the worker code (and torch) imported already.
-        importlib.import_module("runner.worker")
-        remove_stale_scratch()
-        scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # error files of the workers
-        registry = Path(scratch) / "workers"  # each worker adds a file named by its pid (runner.entry)
-        registry.mkdir()
-        stop = _StopForwarder(self.shutdown_timeout, registry)
+        loopback.register()
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=self.num_processes,
             run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",  # port 0: the OS picks a free one, held by the agent's store
+            rdzv_backend=loopback.BACKEND,  # its store listens on 127.0.0.1 alone (c10d's on every interface)
+            rdzv_endpoint=f"{loopback.ADDRESS}:0",
             max_restarts=self.max_restarts,
             monitor_interval=0.05,
             start_method="spawn" if self.start_method == "popen" else self.start_method,
-            logs_specs=DefaultLogsSpecs(log_dir=scratch),
-            local_addr="127.0.0.1",
+            logs_specs=DefaultLogsSpecs(log_dir=str(scratch)),
+            local_addr=loopback.ADDRESS,
             shutdown_timeout=self.shutdown_timeout,
             **stop.agent_signals(),
         )
+        arguments = (str(scratch / "config.yaml"), str(run_dir))
         if self.start_method == "popen":
-            entrypoint, args = sys.executable, ("-m", "runner.entry", str(config_file), str(run_dir))
+            entrypoint, args = sys.executable, ("-m", "runner.entry", *arguments)
         else:
-            entrypoint, args = entry.main, (str(config_file), str(run_dir))
-        # The agent's own log lines repeat what WorkerFailed and JobStopped report (rank, exit code, traceback,
-        # signal); torch sets a level on each of its modules' loggers, so each is quietened.
-        elastic_logs = [logging.getLogger("torch.distributed.elastic")] + [
-            logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-            if name.startswith("torch.distributed.elastic.")]
-        levels = [logger.level for logger in elastic_logs]
-        for logger in elastic_logs:
-            logger.setLevel(logging.CRITICAL)
+            entrypoint, args = entry.main, arguments
         try:
-            with _worker_environment(self.num_processes, deterministic, registry), stop.installed():
-                elastic_launch(config, entrypoint)(*args)
+            elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
-            if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C
-                raise JobStopped(stop.signum, run_dir) from None
             rank = _first_cause(err.failures)
             others = "".join(f"\nthen rank {other}: {_summary(failure)}"
                              for other, failure in sorted(err.failures.items()) if other != rank)
-            raise WorkerFailed(rank, _describe(rank, err.failures[rank]) + others) from None
+            raise _AgentFailed(WorkerFailed(rank, _describe(rank, err.failures[rank]) + others)) from None
         except SignalException as err:  # the agent passed the signal on and waited for the workers
             raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
-        finally:
-            for logger, level in zip(elastic_logs, levels):
-                logger.setLevel(level)
-            shutil.rmtree(scratch, ignore_errors=True)
-        if stop.signum:  # the workers stopped at a step, saved and returned
-            raise JobStopped(stop.signum, run_dir)
+
+
+class _AgentFailed(Exception):
+    """A worker failed: `error` says how, unless a stop signal or the stall watch explains it better."""
+
+    def __init__(self, error: WorkerFailed) -> None:
+        self.error = error
+        super().__init__(str(error))
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent's own log lines repeat what WorkerFailed and JobStopped report (rank, exit code, traceback,
+    signal); torch sets a level on each of its modules' loggers, so each is quietened."""
+    elastic_logs = [logging.getLogger("torch.distributed.elastic")] + [
+        logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic.")]
+    levels = [logger.level for logger in elastic_logs]
+    for logger in elastic_logs:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(elastic_logs, levels):
+            logger.setLevel(level)
 
 
 class _StopForwarder:
@@ -249,7 +296,7 @@ def _workers(registry: Path) -> list[int]:
 
 
 # What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
               "remote process exited")
 
 
@@ -265,7 +312,7 @@ def _first_cause(failures: dict[int, object]) -> int:
         if trace is None:  # on the first failure the agent SIGTERMs the others, and lists them as failed too
             consequence = getattr(failures[rank], "exitcode", None) == -signal.SIGTERM
         else:
-            consequence = any(pattern in trace.lower() for pattern in _PEER_GONE)
+            consequence = any(pattern in trace.lower() for pattern in PEER_GONE)
         return consequence, getattr(failures[rank], "timestamp", 0), rank
     return min(failures, key=key)
 
@@ -279,6 +326,8 @@ def _trace(failure: object) -> str | None:
 def _summary(failure: object) -> str:
     """One line: the last line of the traceback, or how the process ended."""
     trace = _trace(failure)
+    if trace and any(pattern in trace.lower() for pattern in PEER_GONE):
+        return "lost its connection to a rank that had ended (the details are in its log)"
     if trace and trace.strip():
         return trace.strip().splitlines()[-1].strip()
     return _ending(failure)

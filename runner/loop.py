@@ -20,6 +20,7 @@ from runner.callbacks import Callbacks
 from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import DEFAULT_EPOCHS, ConfigError
 from runner.flops import StepFlops
+from runner.heartbeat import NoHeartbeat
 from runner.metrics import MetricSet
 from runner.tasks.base import StepWeights, plural
 
@@ -167,6 +168,8 @@ def _limit(value: Any, total: int) -> int:
 class Loop:
     """Trains `task` (wrapped by the strategy) until max_steps or max_epochs, validating and checkpointing."""
 
+    heartbeat: Any = NoHeartbeat()  # a launched worker's beats (runner.heartbeat.attach)
+
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
                  val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], int],
                  hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None) -> None:
@@ -219,6 +222,7 @@ class Loop:
             self.task.train()
             batches = iter(self.train)
             while p.batch < s.batches_per_epoch and not stopped and p.step < s.max_steps:
+                self.heartbeat.step(p.step)  # the launcher's stall watch sees this process advance
                 window = list(itertools.islice(batches, s.accumulate))  # the micro-batches of one optimizer step
                 if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
                     p.batch = s.batches_per_epoch

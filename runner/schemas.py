@@ -35,6 +35,7 @@ class _ProcessesConfig:
     process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
     timeout: float = 1800  # seconds any collective may wait
     start_method: str = "popen"  # popen | spawn | fork
+    stall_timeout: Optional[float] = 300  # seconds a rank may make no progress; null or 0: not watched
 
 
 @dataclass

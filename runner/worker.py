@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from runner import heartbeat
 from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
@@ -173,6 +174,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)),
                 build.build_metrics(cfg, strategy), build.build_callbacks(cfg))
+    heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
@@ -244,12 +246,17 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         torch.set_num_threads(int(threads))  # a forked worker inherited its parent's pool, one thread per core
     cfg = OmegaConf.load(config_file)
+    # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
+    stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841
     try:
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
     except Exception as error:
-        if not is_user_error(error):
+        peer_gone = _peer_gone(error)
+        if not (peer_gone or is_user_error(error)):
             raise  # a bug: `record` passes the traceback to the launcher
-        log.error("%s", error)
+        # The launcher prints the error, naming the rank (once, whichever rank it was); a rank that only saw
+        # another one go away keeps its side of it, with the traceback, in its log.
+        _log_to_file(error, with_traceback=peer_gone)
         _report_to_launcher(error)
         sys.exit(1)
     finally:
@@ -258,6 +265,23 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
             # worker would wait for it forever. It has stopped at a step and saved; end now.
             logging.shutdown()
             os._exit(128 + signal.SIGTERM)
+
+
+def _peer_gone(error: BaseException) -> bool:
+    """The error a rank gets when another rank's process went away under a collective: a consequence."""
+    from runner.launch import PEER_GONE
+
+    text = f"{type(error).__name__}: {error}".lower()
+    return isinstance(error, (RuntimeError, OSError)) and any(pattern in text for pattern in PEER_GONE)
+
+
+def _log_to_file(error: BaseException, with_traceback: bool) -> None:
+    """The error in this rank's log file(s), not on the console."""
+    trace = (type(error), error, error.__traceback__) if with_traceback else None
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,), trace)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _report_to_launcher(error: BaseException) -> None:

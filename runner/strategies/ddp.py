@@ -42,16 +42,24 @@ class DDPStrategy(Strategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[datetime.timedelta, float, int] = datetime.timedelta(seconds=1800),
         start_method: StartMethod = "popen",
+        stall_timeout: Optional[float] = 300,
         **kwargs: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"strategy.start_method={start_method!r} is not one of popen, spawn, fork")
+        if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout >= 0):
+            from runner.config import ConfigError
+
+            raise ConfigError([f"strategy.stall_timeout={stall_timeout!r} must be a number of seconds (0 or null: "
+                               "no watch)"])
         self.parallel_devices = parallel_devices or [torch.device("cpu")]
         self.cluster_environment = cluster_environment or LocalEnvironment()
         self.process_group_backend = process_group_backend
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.start_method = start_method
+        # Seconds a launched rank may go without progress before the launcher ends the job naming it.
+        self.stall_timeout = stall_timeout or None
         self._host_group: Any = None  # a gloo group for host-side votes (the process group itself under gloo)
         self._ddp_kwargs = kwargs
 
@@ -86,7 +94,7 @@ class DDPStrategy(Strategy):
             return None
         from runner.launch import ElasticLauncher
 
-        return ElasticLauncher(len(self.parallel_devices), self.start_method)
+        return ElasticLauncher(len(self.parallel_devices), self.start_method, stall_timeout=self.stall_timeout)
 
     def _backend(self) -> str:
         if self.process_group_backend:
@@ -112,8 +120,13 @@ class DDPStrategy(Strategy):
     def _tcp_store(self, address: str, port: int) -> dist.Store:
         # Under torchelastic the launcher's agent already serves the store; elsewhere rank 0 hosts it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(address, port, self.world_size, is_master=self.global_rank == 0 and not agent_store,
-                              timeout=self.timeout)
+        is_master = self.global_rank == 0 and not agent_store
+        if is_master and _is_loopback(address):
+            # A TCPStore server listens on every interface whatever its address: for a job whose ranks meet on
+            # loopback, rank 0 binds the socket to it and the store serves there alone.
+            store = _loopback_store(address, port, self.world_size, self.timeout)
+        else:
+            store = dist.TCPStore(address, port, self.world_size, is_master=is_master, timeout=self.timeout)
         # Workers restarted by torchelastic reuse the agent's store: a fresh prefix per attempt keeps them
         # from reading the addresses the failed attempt's processes left there.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -200,6 +213,31 @@ class DDPStrategy(Strategy):
         self._host_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _loopback_store(address: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    import socket
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1" if address == "localhost" else address, port))
+        listener.listen(128)
+        # The store's server takes the socket over: detached, Python no longer closes it.
+        return dist.TCPStore(address, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=listener.detach(), use_libuv=True)
+    finally:
+        listener.close()
 
 
 def _resolve_op(reduce_op: Any) -> Any:

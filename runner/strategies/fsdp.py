@@ -56,9 +56,10 @@ class FSDPStrategy(DDPStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: Optional[list[str]] = None,
         state_dict_type: StateDictType = "sharded",
+        stall_timeout: Optional[float] = 300,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-                         process_group_backend, timeout, start_method)
+                         process_group_backend, timeout, start_method, stall_timeout)
         shard = as_names(shard) if shard != "auto" else shard
         activation_checkpointing = as_names(activation_checkpointing) if activation_checkpointing else []
         problems = settings_problems(shard, activation_checkpointing, state_dict_type, self.precision)

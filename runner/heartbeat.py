@@ -1,0 +1,246 @@
+"""Progress beats: each launched worker marks its steps in a small file, and the launcher's watch names a rank
+that stopped advancing, with its Python stack, long before a collective's timeout ends the job.
+
+A beat is one `pwrite` of a few bytes from the host (no device sync, no fsync). A rank stuck in its step leaves
+the others waiting in the step's collective, so every rank goes quiet; the stuck one is the rank that got least
+far: the beats count the step and the forward passes within it (a rank blocked in the gradient reduction has
+finished its forward, one stuck in its forward or its data has not). Checkpoint saves, which can outlast any
+step, pause the watch of the ranks in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# Set by the launcher in the workers' environment: the private folder of the launch where beats go.
+HEARTBEAT_DIR = "RUNNER_HEARTBEAT_DIR"
+# How much longer than the longest pause seen between beats a rank may be quiet before it counts as stuck.
+SLOWEST_PAUSE_FACTOR = 10
+DUMP_SIGNAL = signal.SIGUSR2  # on it each launched worker dumps its Python stacks (faulthandler)
+
+
+class NoHeartbeat:
+    """The heartbeat of a process no launcher watches (one process, torchrun, srun): does nothing."""
+
+    def step(self, step: int) -> None:
+        pass
+
+
+class Heartbeat:
+    """This process's beat file `<folder>/<rank>`: 'pid step ticks paused steps', rewritten in place at each beat
+    (`steps`: how many steps this process has started, whatever step it resumed at).
+
+    `step(n)` at the start of each optimizer step (n steps done); `tick` after each forward pass (a forward hook);
+    the checkpoint hooks pause the watch around a save, and the end of the run pauses it for good.
+    """
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self._fd = os.open(Path(folder) / str(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self._pid, self._step, self._ticks, self._paused, self._steps = os.getpid(), -1, 0, 0, 0
+        self._write()
+
+    def step(self, step: int) -> None:
+        self._step, self._ticks, self._steps = step, 0, self._steps + 1
+        self._write()
+
+    def tick(self, *hook_args: Any) -> None:
+        self._ticks += 1
+        self._write()
+
+    def on_save_checkpoint(self, loop: Any, checkpoint: dict) -> None:
+        self._paused = 1
+        self._write()
+
+    def on_checkpoint_saved(self, loop: Any, path: Any) -> None:
+        self._paused = 0
+        self._write()
+
+    def on_fit_end(self, loop: Any, result: dict) -> None:
+        self._paused = 1  # what remains (final writes, waiting for the other ranks) is no step
+        self._write()
+
+    def _write(self) -> None:
+        # Fixed width: a shorter record never leaves the tail of a longer one behind.
+        record = f"{self._pid} {self._step} {self._ticks} {self._paused} {self._steps}"
+        os.pwrite(self._fd, record.ljust(64).encode(), 0)
+
+
+def from_environment(rank: int) -> Any:
+    """The heartbeat the launcher asked for in this worker's environment, or one that does nothing."""
+    folder = os.environ.get(HEARTBEAT_DIR)
+    return Heartbeat(Path(folder), rank) if folder and Path(folder).is_dir() else NoHeartbeat()
+
+
+@dataclasses.dataclass
+class _Rank:
+    pid: int
+    step: int
+    ticks: int
+    paused: bool
+    steps: int  # the steps this process has started: its first one (compiling, warming up) is not watched
+    changed: float  # when the watch saw this record change (monotonic)
+
+
+def read_beats(folder: Path) -> dict[int, _Rank]:
+    """Each rank's last record (its `changed` left at 0)."""
+    beats = {}
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if not path.name.isdigit():  # a rank's stack dump
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            pid, step, ticks, paused, steps = map(int, path.read_text().split())
+            beats[int(path.name)] = _Rank(pid, step, ticks, paused == 1, steps, 0.0)
+    return beats
+
+
+def attach(beat: Any, loop: Any, compiled: bool) -> None:
+    """Beat at each step of `loop`, after each forward pass of its task module, and pause around its saves."""
+    loop.heartbeat = beat
+    if isinstance(beat, Heartbeat):
+        loop.callbacks.by_name["heartbeat"] = beat  # no state_dict: nothing of it goes into checkpoints
+        if not compiled:  # a Python hook inside a compiled module would break its graph
+            loop.task.register_forward_hook(beat.tick)
+
+
+def log_path(run_dir: Path, rank: int) -> Path:
+    """The rank's log, where its stacks are dumped: runner.log for rank 0, rank_<k>.log for the others."""
+    return Path(run_dir) / ("runner.log" if rank == 0 else f"rank_{rank}.log")
+
+
+class StallWatch:
+    """A thread of the launcher that reads the beats. When an armed rank has been quiet for `timeout` seconds (or
+    SLOWEST_PAUSE_FACTOR times the longest pause seen between its beats, if longer), it has every worker dump its
+    stacks, keeps a message naming the least advanced rank with its stack, and kills the workers: the launcher
+    then reports that message. A rank is armed once every rank has finished its first step."""
+
+    def __init__(self, folder: Path, num_processes: int, timeout: float, run_dir: Path) -> None:
+        self.folder, self.num_processes, self.timeout, self.run_dir = folder, num_processes, timeout, run_dir
+        self.rank: Optional[int] = None
+        self.message: Optional[str] = None
+        self._ranks: dict[int, _Rank] = {}
+        self._slowest = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="runner-stall-watch", daemon=True)
+
+    def __enter__(self) -> "StallWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        # A tenth of the timeout: the pauses the watch sees between beats stay below it while steps are fast.
+        while not self._done.wait(min(1.0, self.timeout / 10)):
+            stuck = self.check(time.monotonic())
+            if stuck:
+                self._end(stuck)
+                self._ranks.clear()  # a restarted attempt (trainer.max_restarts) is watched afresh
+
+    def check(self, now: float) -> list[int]:
+        """The ranks to blame if the job is stuck now, else []."""
+        for rank, beat in read_beats(self.folder).items():
+            seen = self._ranks.get(rank)
+            if seen is None or seen.pid != beat.pid:
+                self._ranks[rank] = dataclasses.replace(beat, changed=now)
+            elif (beat.steps, beat.ticks, beat.paused) != (seen.steps, seen.ticks, seen.paused):
+                if self._armed() and not seen.paused:
+                    self._slowest = max(self._slowest, now - seen.changed)
+                self._ranks[rank] = dataclasses.replace(beat, changed=now)
+        if not self._armed():
+            return []
+        limit = max(self.timeout, SLOWEST_PAUSE_FACTOR * self._slowest)
+        active = {rank: seen for rank, seen in self._ranks.items() if not seen.paused}
+        if not any(now - seen.changed > limit for seen in active.values()):
+            return []
+        least = min((seen.step, seen.ticks) for seen in active.values())
+        return sorted(rank for rank, seen in active.items() if (seen.step, seen.ticks) == least)
+
+    def _armed(self) -> bool:
+        return len(self._ranks) == self.num_processes and all(seen.steps >= 2 for seen in self._ranks.values())
+
+    def _end(self, stuck: list[int]) -> None:
+        quiet = time.monotonic() - min(self._ranks[rank].changed for rank in stuck)
+        stacks = dump_stacks({rank: seen.pid for rank, seen in self._ranks.items()}, self.folder)
+        kept = keep_in_logs(stacks, self.run_dir)
+        step = self._ranks[stuck[0]].step + 1  # the beat counts the steps done: this one is running
+        who = (f"rank {stuck[0]} made no progress for {quiet:.0f} s in step {step}, while the other ranks waited "
+               "for it" if len(stuck) == 1 else
+               f"ranks {', '.join(map(str, stuck))} made no progress for {quiet:.0f} s in step {step}, all at the "
+               "same point of it")
+        shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n{_top(stacks.get(rank, ''))}"
+                          for rank in stuck)
+        self.rank = stuck[0]
+        self.message = f"{who} (strategy.stall_timeout={self.timeout:g}); the job was ended.\n{shown}"
+        if kept:
+            self.message += f"\nevery rank's stacks are in its log ({', '.join(kept)})"
+        for seen in self._ranks.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(seen.pid, signal.SIGKILL)
+
+
+def dump_stacks(pids: dict[int, int], folder: Path, wait: float = 5.0) -> dict[int, str]:
+    """Have each worker write its Python stacks to `<folder>/<rank>.stack` (faulthandler, on DUMP_SIGNAL) and
+    return them, once they stop growing (or after `wait` seconds)."""
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, DUMP_SIGNAL)
+    stacks: dict[int, str] = {}
+    deadline = time.monotonic() + wait
+    while len(stacks) < len(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for rank in set(pids) - set(stacks):
+            text = _read(folder / f"{rank}.stack")
+            time.sleep(0.05)  # a dump still being written has grown by then
+            if text.strip() and text == _read(folder / f"{rank}.stack"):
+                stacks[rank] = text.strip()
+    return stacks
+
+
+def keep_in_logs(stacks: dict[int, str], run_dir: Path) -> list[str]:
+    """Append each rank's dump to its log, where it outlives the launch's private folder; the logs written."""
+    kept = []
+    for rank, stack in sorted(stacks.items()):
+        path = log_path(run_dir, rank)
+        if path.exists():  # a job whose logging writes no runner.log or rank_<k>.log gets none made for this
+            with contextlib.suppress(OSError), open(path, "a") as log:
+                log.write(f"Python stacks of rank {rank}, dumped when the job was found stalled:\n{stack}\n")
+                kept.append(path.name)
+    return kept
+
+
+def _top(stack: str, lines: int = 15) -> str:
+    """The innermost frames of a dump, where a stall is; the whole dump goes to the rank's log."""
+    if not stack:
+        return "(it wrote none in time)"
+    kept = stack.splitlines()[:lines + 1]
+    return "\n".join(kept) + ("\n  ..." if len(stack.splitlines()) > len(kept) else "")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def dump_stacks_on_signal(rank: int) -> Any:
+    """In a launched worker: on DUMP_SIGNAL, write every thread's Python stack to `<beats folder>/<rank>.stack`,
+    even while the main thread is blocked (faulthandler writes from the signal handler). Returns the open file,
+    to keep open while the worker runs; None when no launcher watches."""
+    import faulthandler
+
+    folder = os.environ.get(HEARTBEAT_DIR)
+    if not folder or not Path(folder).is_dir():
+        return None
+    file = open(Path(folder) / f"{rank}.stack", "w")  # noqa: SIM115 - faulthandler writes to it until the end
+    faulthandler.register(DUMP_SIGNAL, file=file, all_threads=True)
+    return file

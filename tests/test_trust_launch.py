@@ -1,0 +1,301 @@
+"""The launcher keeps its promises: one live run per folder, nothing listening beyond loopback on one node, a stuck
+rank named with its stack, and a handled failure of one rank said once."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+import trust_models
+from _dist import TESTS_DIR, clean_environ, run_cli
+from runner import run_lock
+from runner.heartbeat import StallWatch
+
+DDP = ["strategy=ddp", "accelerator=cpu", "trainer.devices=2", "logger=none"]
+# The issue's two runs: the same folder, different lengths and seeds.
+TWO_RUNS = [*DDP, "data.num_samples=2048", "data.val_samples=64", "data.batch_size=16"]
+
+
+def start_cli(args: list[str], env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=TESTS_DIR,
+                            env=env if env is not None else clean_environ(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(condition, timeout: float, what: str, process: Optional[subprocess.Popen] = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"the job ended (exit {process.returncode}) before {what}\n{out}\n{err}")
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def lock_holder(run_dir: Path) -> str:
+    path = run_dir / run_lock.LOCK_FILE
+    return path.read_text().strip() if path.exists() else ""
+
+
+def end(process: subprocess.Popen) -> tuple[str, str]:
+    """Stop a job still running (SIGTERM to its session: the launcher and its workers) and collect its output."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    try:
+        return process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.communicate()
+
+
+# -- one run per folder ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_second_run_in_a_live_runs_folder_is_refused_and_the_first_trains_its_own_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "same"
+    first = start_cli([*TWO_RUNS, "trainer.max_steps=30", "trainer.seed=1", f"hydra.run.dir={run_dir}"])
+    try:
+        wait_for(lambda: lock_holder(run_dir) == str(first.pid), 60, "lock of the first run", first)
+        second = run_cli([*TWO_RUNS, "trainer.max_steps=40", "trainer.seed=2", f"hydra.run.dir={run_dir}"],
+                         cwd=TESTS_DIR, timeout=120)
+        out, err = first.communicate(timeout=180)
+    finally:
+        end(first)
+    assert second.returncode == 1, second.stderr
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {run_dir} is in use by a running job (process {first.pid}); wait for it to end, or "
+                     "choose another folder with hydra.run.dir=<folder>"], second.stderr
+    assert first.returncode == 0, err
+    assert "trainer.max_steps=30 decides the length" in err
+    assert "trainer.max_steps=40" not in (run_dir / "runner.log").read_text()
+    # The refused run wrote nothing: Hydra's record of the folder is the first run's.
+    assert "trainer.seed=1" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "max_steps: 30" in (run_dir / ".hydra" / "resolved.yaml").read_text()
+    assert '"step": 30' in (run_dir / "metrics.json").read_text()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from runner import run_lock
+run_lock.acquire(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_runs_folder_is_free_and_a_live_one_names_its_process(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=clean_environ())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(run_lock.RunFolderBusy, match=f"{tmp_path} is in use by a running job \\(process "
+                                                         f"{holder.pid}\\)"):
+            run_lock.acquire(tmp_path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    run_lock.acquire(tmp_path)  # the kernel released the killed process's lock
+    try:
+        assert lock_holder(tmp_path) == str(os.getpid())
+    finally:
+        run_lock.release(tmp_path)
+
+
+def test_the_process_holding_a_folder_takes_it_again(tmp_path: Path) -> None:
+    """The command line takes the folder before Hydra writes there, and fit() takes it once more."""
+    run_lock.acquire(tmp_path)
+    run_lock.acquire(tmp_path)
+    run_lock.release(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""), str(tmp_path)],
+                           capture_output=True, text=True, env=clean_environ(), timeout=60)
+    assert "RunFolderBusy" in probe.stderr  # still held once
+    run_lock.release(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""), str(tmp_path)],
+                           capture_output=True, text=True, env=clean_environ(), timeout=60)
+    assert probe.returncode == 0, probe.stderr
+
+
+# -- nothing listens beyond loopback ---------------------------------------------------------------
+
+def _family_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _listening() -> dict[str, tuple[str, int]]:
+    """inode -> (address, port) of every TCP socket in the LISTEN state (state 0A) on this machine."""
+    found = {}
+    for name in ("tcp", "tcp6"):
+        path = Path("/proc/net") / name
+        for line in path.read_text().splitlines()[1:] if path.exists() else ():
+            fields = line.split()
+            if fields[3] != "0A":
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # /proc writes each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found[fields[9]] = (str(ipaddress.ip_address(raw)), int(port, 16))
+    return found
+
+
+def listening_sockets(root: int) -> set[tuple[int, str, int]]:
+    listening = _listening()
+    return {(pid, *listening[inode]) for pid in _family_tree(root) for inode in _socket_inodes(pid)
+            if inode in listening}
+
+
+def _outward_interface() -> Optional[str]:
+    """A network interface other than loopback that gloo can use, if this machine has one."""
+    import torch.distributed as dist
+
+    for _, name in socket.if_nameindex():
+        if name in ("lo", "lo0"):
+            continue
+        try:
+            dist.ProcessGroupGloo.create_device(interface=name)
+        except RuntimeError:
+            continue
+        return name
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_a_one_node_job_listens_on_loopback_alone(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = clean_environ()
+    outward = _outward_interface()
+    if outward:  # gloo would listen there if the launcher left the workers' interface to the environment
+        env["GLOO_SOCKET_IFNAME"] = outward
+    job = start_cli([*DDP, "trainer.max_steps=100000", "data.num_samples=100000", f"hydra.run.dir={run_dir}"], env)
+    try:
+        wait_for(lambda: (run_dir / "rank_1.log").exists() and "global batch" in (run_dir / "runner.log").read_text()
+                 if (run_dir / "runner.log").exists() else False, 120, "training", job)
+        seen: set[tuple[int, str, int]] = set()
+        for _ in range(10):
+            seen |= listening_sockets(job.pid)
+            time.sleep(0.2)
+        processes = len(_family_tree(job.pid))
+    finally:
+        end(job)
+    assert processes >= 3, "the launcher and its two workers"
+    assert {pid for pid, _, _ in seen} >= {job.pid}, seen  # the launcher's store
+    assert len({pid for pid, _, _ in seen}) >= 3, seen  # and each worker's gloo connections
+    outside = [s for s in seen if not ipaddress.ip_address(s[1]).is_loopback]
+    assert outside == [], f"listening beyond loopback: {outside} (all: {sorted(seen)})"
+
+
+# -- a stuck rank is named --------------------------------------------------------------------------
+
+SLEEP_LINE = next(number for number, line in enumerate(inspect.getsourcelines(trust_models.SleepOnRank)[0],
+                                                        inspect.getsourcelines(trust_models.SleepOnRank)[1])
+                  if "time.sleep(" in line)
+RANK_FAULT = ["~model.hidden", "~model.depth", "data.num_samples=512", "data.val_samples=32", "data.batch_size=4",
+              "trainer.max_steps=100000"]
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_its_step_is_named_with_its_stack(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = run_cli([*DDP, "model._target_=trust_models.SleepOnRank", *RANK_FAULT, "strategy.stall_timeout=5",
+                      f"hydra.run.dir={run_dir}"], cwd=TESTS_DIR, timeout=150)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    assert "error: rank 1 made no progress for " in result.stderr, result.stderr
+    assert " s in step 3, while the other ranks waited for it (strategy.stall_timeout=5)" in result.stderr
+    assert f'trust_models.py", line {SLEEP_LINE} in happen' in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"line {SLEEP_LINE} in happen" in (run_dir / "rank_1.log").read_text()  # the whole dump is kept there
+    # Start-up takes a few seconds on a loaded machine; the stall itself is found after 5 s, not 30 minutes.
+    assert elapsed < 90, elapsed
+
+
+def _beat(folder: Path, rank: int, pid: int, step: int, ticks: int, paused: int = 0, steps: int = 1) -> None:
+    (folder / str(rank)).write_text(f"{pid} {step} {ticks} {paused} {steps}".ljust(64))
+
+
+def test_the_watch_blames_the_least_advanced_rank_once_armed(tmp_path: Path) -> None:
+    watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+    _beat(tmp_path, 0, 10, 0, 0, steps=1)
+    _beat(tmp_path, 1, 11, 0, 0, steps=1)
+    assert watch.check(0.0) == []
+    assert watch.check(100.0) == [], "a first step (compiling, warming up) is not watched"
+    _beat(tmp_path, 0, 10, 2, 1, steps=3)  # finished its forward of step 3, waits in the reduction
+    _beat(tmp_path, 1, 11, 2, 0, steps=3)  # still in its forward
+    assert watch.check(101.0) == []
+    assert watch.check(105.5) == []
+    assert watch.check(106.5) == [1]
+
+
+def test_the_watch_waits_for_saves_and_for_the_slowest_pause_seen(tmp_path: Path) -> None:
+    watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+    for now, step in ((0.0, 4), (1.0, 5), (21.0, 6)):  # a step of 20 s: ten times that is allowed
+        _beat(tmp_path, 0, 10, step, 0, steps=step)
+        _beat(tmp_path, 1, 11, step, 0, steps=step)
+        assert watch.check(now) == []
+    assert watch.check(150.0) == []
+    assert watch.check(222.0) == [0, 1], "both quiet at the same point: both named"
+    watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+    _beat(tmp_path, 0, 12, 7, 0, paused=1, steps=3)  # saving a checkpoint
+    _beat(tmp_path, 1, 13, 7, 0, paused=1, steps=3)
+    assert watch.check(0.0) == [] and watch.check(1000.0) == []
+
+
+# -- a handled failure is said once -------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_handled_failure_of_one_rank_is_said_once_without_the_peers_traceback(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli([*DDP, "model._target_=trust_models.BatchErrorOnRank", "+model.rank=0", *RANK_FAULT,
+                      f"hydra.run.dir={run_dir}"], cwd=TESTS_DIR, timeout=150)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert output.count("the batch of step 3 has no labels (injected on rank 0)") == 1, output
+    assert "error: rank 0 failed:" in result.stderr
+    assert "Traceback" not in output, output
+    assert "Connection closed" not in output, output
+    # The peer's side of it, with its traceback, is in its own log.
+    assert "Traceback" in (run_dir / "rank_1.log").read_text()
