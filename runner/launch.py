@@ -57,14 +57,15 @@ class WorkerFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def _worker_environment(num_processes: int, deterministic: bool, scratch: Path) -> Iterator[None]:
+def _worker_environment(num_processes: int, deterministic: bool, scratch: Path, watched: bool) -> Iterator[None]:
     """Variables the workers inherit, set only around their start and restored afterwards."""
     from runner.heartbeat import HEARTBEAT_DIR
     from runner.loopback import loopback_interface
 
     saved = dict(os.environ)
     os.environ[WORKER_REGISTRY] = str(scratch / "workers")
-    os.environ[HEARTBEAT_DIR] = str(scratch / "beats")
+    if watched:
+        os.environ[HEARTBEAT_DIR] = str(scratch / "beats")
     if "OMP_NUM_THREADS" not in os.environ:
         # Workers sharing the cores evenly beat each starting one thread per core.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
@@ -136,8 +137,8 @@ class ElasticLauncher:
         watch = StallWatch(scratch / "beats", self.num_processes, self.stall_timeout, run_dir) \
             if self.stall_timeout else contextlib.nullcontext()
         try:
-            with _worker_environment(self.num_processes, deterministic, scratch), stop.installed(), watch, \
-                    _quiet_agent():
+            with _worker_environment(self.num_processes, deterministic, scratch, bool(self.stall_timeout)), \
+                    stop.installed(), watch, _quiet_agent():
                 self._run_agent(scratch, run_dir, stop)
         except _AgentFailed as failed:
             if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C

@@ -63,30 +63,6 @@ def end(process: subprocess.Popen) -> tuple[str, str]:
 
 # -- one run per folder ------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_a_second_run_in_a_live_runs_folder_is_refused_and_the_first_trains_its_own_config(tmp_path: Path) -> None:
-    run_dir = tmp_path / "same"
-    first = start_cli([*TWO_RUNS, "trainer.max_steps=30", "trainer.seed=1", f"hydra.run.dir={run_dir}"])
-    try:
-        wait_for(lambda: lock_holder(run_dir) == str(first.pid), 60, "lock of the first run", first)
-        second = run_cli([*TWO_RUNS, "trainer.max_steps=40", "trainer.seed=2", f"hydra.run.dir={run_dir}"],
-                         cwd=TESTS_DIR, timeout=120)
-        out, err = first.communicate(timeout=180)
-    finally:
-        end(first)
-    assert second.returncode == 1, second.stderr
-    lines = [line for line in second.stderr.splitlines() if line.strip()]
-    assert lines == [f"error: {run_dir} is in use by a running job (process {first.pid}); wait for it to end, or "
-                     "choose another folder with hydra.run.dir=<folder>"], second.stderr
-    assert first.returncode == 0, err
-    assert "trainer.max_steps=30 decides the length" in err
-    assert "trainer.max_steps=40" not in (run_dir / "runner.log").read_text()
-    # The refused run wrote nothing: Hydra's record of the folder is the first run's.
-    assert "trainer.seed=1" in (run_dir / ".hydra" / "overrides.yaml").read_text()
-    assert "max_steps: 30" in (run_dir / ".hydra" / "resolved.yaml").read_text()
-    assert '"step": 30' in (run_dir / "metrics.json").read_text()
-
-
 HOLD = """
 import sys, time
 from pathlib import Path
@@ -201,30 +177,70 @@ def _outward_interface() -> Optional[str]:
     return None
 
 
+def _training(run_dir: Path) -> bool:
+    log = run_dir / "runner.log"
+    return (run_dir / "rank_1.log").exists() and log.exists() and "global batch" in log.read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
-def test_a_one_node_job_listens_on_loopback_alone(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def test_a_live_run_keeps_its_folder_its_config_and_listens_on_loopback_alone(tmp_path: Path) -> None:
+    """The issue's two runs in one folder: the second is refused, the first trains its own config. Meanwhile
+    every socket the first job's processes listen on (the launcher's store, each worker's gloo) is on loopback,
+    even with gloo's interface set outward in the environment."""
+    run_dir = tmp_path / "same"
     env = clean_environ()
     outward = _outward_interface()
     if outward:  # gloo would listen there if the launcher left the workers' interface to the environment
         env["GLOO_SOCKET_IFNAME"] = outward
-    job = start_cli([*DDP, "trainer.max_steps=100000", "data.num_samples=100000", f"hydra.run.dir={run_dir}"], env)
+    first = start_cli([*TWO_RUNS, "trainer.max_steps=1000", "trainer.seed=1", f"hydra.run.dir={run_dir}"], env)
     try:
-        wait_for(lambda: (run_dir / "rank_1.log").exists() and "global batch" in (run_dir / "runner.log").read_text()
-                 if (run_dir / "runner.log").exists() else False, 120, "training", job)
+        wait_for(lambda: lock_holder(run_dir) == str(first.pid), 60, "lock of the first run", first)
+        second = start_cli([*TWO_RUNS, "trainer.max_steps=1500", "trainer.seed=2", f"hydra.run.dir={run_dir}"])
+        wait_for(lambda: _training(run_dir), 120, "training", first)
         seen: set[tuple[int, str, int]] = set()
         for _ in range(10):
-            seen |= listening_sockets(job.pid)
-            time.sleep(0.2)
-        processes = len(_family_tree(job.pid))
+            seen |= listening_sockets(first.pid)
+            time.sleep(0.1)
+        _, refused = second.communicate(timeout=120)
+        out, err = first.communicate(timeout=240)
     finally:
-        end(job)
-    assert processes >= 3, "the launcher and its two workers"
-    assert {pid for pid, _, _ in seen} >= {job.pid}, seen  # the launcher's store
-    assert len({pid for pid, _, _ in seen}) >= 3, seen  # and each worker's gloo connections
+        end(first)
+    assert second.returncode == 1, refused
+    lines = [line for line in refused.splitlines() if line.strip()]
+    assert lines == [f"error: {run_dir} is in use by a running job (process {first.pid}); wait for it to end, or "
+                     "choose another folder with hydra.run.dir=<folder>"], refused
+    assert first.returncode == 0, err
+    assert "trainer.max_steps=1000 decides the length" in err
+    assert "max_steps=1500" not in (run_dir / "runner.log").read_text()
+    # The refused run wrote nothing: Hydra's record of the folder is the first run's, and the lock is gone.
+    assert "trainer.seed=1" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "max_steps: 1000" in (run_dir / ".hydra" / "resolved.yaml").read_text()
+    assert '"step": 1000' in (run_dir / "metrics.json").read_text()
+    assert not (run_dir / run_lock.LOCK_FILE).exists()
+    assert len({pid for pid, _, _ in seen}) >= 3, seen  # the launcher's store and each worker's connections
     outside = [s for s in seen if not ipaddress.ip_address(s[1]).is_loopback]
     assert outside == [], f"listening beyond loopback: {outside} (all: {sorted(seen)})"
+
+
+def _own_listeners(rank: int) -> list[str]:
+    from runner.strategies import DDPStrategy
+
+    strategy = DDPStrategy()
+    strategy.setup_environment()  # rank 0 hosts the store at MASTER_ADDR=127.0.0.1
+    try:
+        return sorted(address for _, address, _ in listening_sockets(os.getpid()))
+    finally:
+        strategy.teardown()
+
+
+def test_ranks_started_elsewhere_on_loopback_listen_there_alone() -> None:
+    """Ranks whose MASTER_ADDR is loopback (started by a test, a notebook): rank 0's store serves there alone."""
+    from _dist import run_ranks
+
+    listeners = run_ranks(_own_listeners, world_size=2, timeout=120)
+    assert listeners[0], "rank 0 hosts the store"
+    assert all(ipaddress.ip_address(a).is_loopback for ranks in listeners for a in ranks), listeners
 
 
 # -- a stuck rank is named --------------------------------------------------------------------------
