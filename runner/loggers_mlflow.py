@@ -11,10 +11,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
+from urllib.parse import urlparse
 
 from runner.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
 
@@ -25,22 +27,20 @@ _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml", "resolved.yaml")
 INSTALL = "logger=mlflow needs the mlflow package: pip install 'runner[mlflow]' (or pip install mlflow)"
 
 
-def _import_mlflow() -> Any:
+def _import_mlflow() -> None:
     try:
         import mlflow.tracking  # noqa: F401 - the client, imported only when this logger is chosen
     except ImportError as error:
         raise ImportError(f"{INSTALL} ({error})") from error
-    return sys.modules["mlflow"]
 
 
 def tracking_uri_of(setting: Optional[str], store_dir: Path) -> tuple[str, str]:
     """The tracking URI and where it came from: the setting, MLFLOW_TRACKING_URI, else SQLite beside the runs."""
     if setting:
-        return str(setting), f"logger.mlflow.tracking_uri={setting}"
+        return str(setting), "logger.mlflow.tracking_uri"
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"], f"MLFLOW_TRACKING_URI={os.environ['MLFLOW_TRACKING_URI']}"
-    uri = f"sqlite:///{store_dir / 'mlflow.db'}"
-    return uri, f"the default {uri}"
+        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+    return f"sqlite:///{store_dir / 'mlflow.db'}", "the default: beside the run folders"
 
 
 def sqlite_path(uri: str) -> Optional[Path]:
@@ -83,7 +83,7 @@ class MLflowLogger:
             raise ValueError(f"tags={tags} must map names to values, e.g. {{team: vision}}")
         if not isinstance(fail_on_error, bool):
             raise ValueError(f"fail_on_error={fail_on_error} must be true or false")
-        self._mlflow = _import_mlflow()
+        _import_mlflow()
         self.root = Path(root_dir)
         self.job = read_job(root_dir)
         self.tracking_uri, self._uri_source = tracking_uri_of(tracking_uri, self.job.store_dir)
@@ -102,20 +102,23 @@ class MLflowLogger:
     # -- the checks before any worker starts ----------------------------------------------------------
     def check_service(self) -> list[str]:
         """One line per problem with the tracking store, found before training (a server that is down)."""
-        if not self.tracking_uri.startswith(("http://", "https://")):
-            return []
+        if not self.tracking_uri.startswith(("http://", "https://", "file:")) and "://" in self.tracking_uri:
+            return []  # a database: opened (and made) with the first log, under the lock
+        where = f"{self.tracking_uri} (from {self._uri_source})"
+        if urlparse(self.tracking_uri).scheme in ("", "file"):  # recent MLflow refuses its plain file store
+            return _open_file_store(self.tracking_uri, where)
         try:
             status = _probe(self.tracking_uri)
         except Exception as error:  # noqa: BLE001 - any failure to connect is the message
-            reason = " ".join(str(error).split())[:300]
-            return [f"{self._uri_source}: no MLflow tracking server answers at {self.tracking_uri} ({reason}); start "
-                    "it (mlflow server ...), or choose another with logger.mlflow.tracking_uri or MLFLOW_TRACKING_URI"]
+            text = " ".join(str(error).split())
+            reason = (re.search(r"\[Errno -?\d+\][^'\")]*", text) or re.match(r".{0,200}", text)).group(0)
+            return [f"no MLflow tracking server answers at {where}: {reason}; start it (mlflow server ...) or set "
+                    "logger.mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to one that runs"]
         if status in (401, 403):
-            return [f"{self._uri_source}: the MLflow server at {self.tracking_uri} refuses this user (HTTP {status}); "
-                    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"]
+            return [f"the MLflow server at {where} refuses this user (HTTP {status}): set MLFLOW_TRACKING_USERNAME "
+                    "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"]
         if status != 200:
-            return [f"{self._uri_source}: {self.tracking_uri} answers HTTP {status} to MLflow's API: is it an "
-                    "MLflow tracking server?"]
+            return [f"{where} answers HTTP {status} to MLflow's API: is it an MLflow tracking server?"]
         return []
 
     # -- the logger's four methods --------------------------------------------------------------------
@@ -256,6 +259,17 @@ def _probe(uri: str) -> int:
     response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
                             max_retries=0, timeout=10, raise_on_status=False, params={"max_results": 1})
     return response.status_code
+
+
+def _open_file_store(uri: str, where: str) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as error:  # noqa: BLE001 - MLflow's refusal is the message
+        return [f"MLflow cannot use the store {where}: {' '.join(str(error).split())[:300]} (the default, a "
+                "SQLite database beside the run folders, needs no setting)"]
+    return []
 
 
 def _experiment_id(client: Any, name: str, artifact_location: Optional[str]) -> str:

@@ -385,3 +385,13 @@ def test_bad_settings_are_one_line_each_before_any_worker(tmp_path: Path) -> Non
     assert "log_checkpoints=every is not allowed: use best, last, all or null" in result.stderr
     assert "mode=sometimes is not allowed: use offline (the default), online or disabled" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_plain_file_store_is_one_line_not_a_silent_mlruns(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    result = cli([*SINGLE, "trainer.max_steps=2", "logger=mlflow", "logger.mlflow.tracking_uri=./mlruns",
+                  f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert result.returncode == 1
+    (line,) = [line for line in result.stderr.splitlines() if "./mlruns" in line]
+    assert line.startswith("  - logger.mlflow: MLflow cannot use the store ./mlruns (from logger.mlflow.tracking_uri)")
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "run" / "checkpoints").exists()
