@@ -160,6 +160,26 @@ def test_long_params_are_cut_with_a_marker(tmp_path: Path, mlflow_server: str) -
     assert len(params["model.note"]) == MAX_PARAM_VAL_LENGTH and params["model.note"].endswith(CUT_MARKER)
 
 
+def test_a_resumed_attempt_continues_the_run_and_its_values_are_the_latest(tmp_path: Path, mlflow_server: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from runner.loggers_mlflow import MLflowLogger
+
+    first = MLflowLogger(str(tmp_path), tracking_uri=mlflow_server, experiment_name="resume")
+    for step in (1, 2, 3):  # killed after step 3; its checkpoint was at step 1
+        first.log_metrics({"train/loss": 1.0 / step}, step)
+    second = MLflowLogger(str(tmp_path), tracking_uri=mlflow_server, experiment_name="resume")
+    second.resume_at(2)
+    time.sleep(0.01)  # MLflow orders a step's values by their millisecond timestamps
+    for step in (2, 3, 4):
+        second.log_metrics({"train/loss": 10.0 + step}, step)
+    second.finalize()
+    assert second.run_id == first.run_id
+    client = MlflowClient(tracking_uri=mlflow_server)
+    assert mlflow_series(client, first.run_id)["train/loss"] == [(1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]
+    assert client.get_run(first.run_id).data.metrics["train/loss"] == 14.0
+
+
 def test_a_server_that_goes_down_is_one_warning_with_fail_on_error_false(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("mlflow")
