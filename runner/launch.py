@@ -184,8 +184,11 @@ class ElasticLauncher:
             elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
             rank = _first_cause(err.failures)
-            others = "".join(f"\nthen rank {other}: {_summary(failure)}"
-                             for other, failure in sorted(err.failures.items()) if other != rank)
+            cause = _summary(err.failures[rank])
+            # An error every rank met at once (a NaN loss reduced over them) is said once.
+            summaries = {other: _summary(failure) for other, failure in err.failures.items() if other != rank}
+            others = "".join(f"\nthen rank {other}: {'the same' if summary == cause else summary}"
+                             for other, summary in sorted(summaries.items()))
             raise _AgentFailed(WorkerFailed(rank, _describe(rank, err.failures[rank]) + others)) from None
         except SignalException as err:  # the agent passed the signal on and waited for the workers
             raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
