@@ -143,7 +143,21 @@ class StallWatch:
             stuck = self.check(time.monotonic())
             if stuck:
                 self._end(stuck)
-                self._ranks.clear()  # a restarted attempt (trainer.max_restarts) is watched afresh
+                self._forget_attempt()
+
+    def _forget_attempt(self) -> None:
+        """After the workers were killed: an attempt torchelastic restarts (trainer.max_restarts) is watched
+        afresh, from its own records, and if it fails it is for what it says."""
+        killed = bool(self._ranks)
+        self._ranks.clear()
+        for path in self.folder.iterdir():
+            if path.name.isdigit():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        while killed and not self._done.wait(0.2):
+            if read_beats(self.folder):  # a new attempt's workers beat
+                self.rank = self.message = None
+                return
 
     def check(self, now: float) -> list[int]:
         """The ranks to blame if the job is stuck now, else []."""

@@ -315,3 +315,23 @@ def test_a_handled_failure_of_one_rank_is_said_once_without_the_peers_traceback(
     assert "Connection closed" not in output, output
     # The peer's side of it, with its traceback, is in its own log.
     assert "Traceback" in (run_dir / "rank_1.log").read_text()
+
+
+def test_after_ending_an_attempt_the_watch_follows_the_restarted_one(tmp_path: Path) -> None:
+    """trainer.max_restarts: the restarted workers are watched from their own records, and the stall message
+    of the ended attempt is dropped once they beat."""
+    with StallWatch(tmp_path, 1, timeout=0.5, run_dir=tmp_path) as watch:
+        stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGUSR2, "
+                                  "signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert stuck.stdout.readline().strip() == "ready"  # a worker without stacks to dump
+            _beat(tmp_path, 0, stuck.pid, 5, 0, steps=3)
+            wait_for(lambda: watch.message is not None, 30, "stall message")
+            assert stuck.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            stuck.kill()
+        assert "rank 0 made no progress" in watch.message and "in step 6" in watch.message
+        wait_for(lambda: not (tmp_path / "0").exists(), 30, "the ended attempt's record removed")
+        _beat(tmp_path, 0, os.getpid(), 0, 0, steps=1)
+        wait_for(lambda: watch.message is None, 30, "message dropped for the restarted attempt")
