@@ -120,8 +120,9 @@ class StallWatch:
     stacks, keeps a message naming the least advanced rank with its stack, and kills the workers: the launcher
     then reports that message. A rank is armed once every rank has finished its first step."""
 
-    def __init__(self, folder: Path, num_processes: int, timeout: float, run_dir: Path) -> None:
+    def __init__(self, folder: Path, num_processes: int, timeout: float, run_dir: Path, setting: str = "") -> None:
         self.folder, self.num_processes, self.timeout, self.run_dir = folder, num_processes, timeout, run_dir
+        self.setting = setting or f"strategy.stall_timeout={timeout:g}"  # what chose the timeout, for the message
         self.rank: Optional[int] = None
         self.message: Optional[str] = None
         self._ranks: dict[int, _Rank] = {}
@@ -193,7 +194,7 @@ class StallWatch:
         shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n{_top(stacks.get(rank, ''))}"
                           for rank in stuck)
         self.rank = stuck[0]
-        self.message = f"{who} (strategy.stall_timeout={self.timeout:g}); the job was ended.\n{shown}"
+        self.message = f"{who} ({self.setting}); the job was ended.\n{shown}"
         if kept:
             self.message += f"\nevery rank's stacks are in its log ({', '.join(kept)})"
         for seen in self._ranks.values():

@@ -108,16 +108,17 @@ class ElasticLauncher:
     """`num_processes` workers on this node, each running `runner.entry` on the job's resolved config.
 
     `stall_timeout`: seconds a worker may go without progress before the job ends naming it (runner.heartbeat);
-    None or 0: not watched.
+    None or 0: not watched. `stall_setting`: the setting that chose it, as its message names it.
     """
 
     def __init__(self, num_processes: int, start_method: StartMethod = "popen", max_restarts: int = 0,
-                 shutdown_timeout: int = 30, stall_timeout: Optional[float] = None) -> None:
+                 shutdown_timeout: int = 30, stall_timeout: Optional[float] = None, stall_setting: str = "") -> None:
         self.num_processes = num_processes
         self.start_method = start_method
         self.max_restarts = max_restarts
         self.shutdown_timeout = shutdown_timeout
         self.stall_timeout = stall_timeout
+        self.stall_setting = stall_setting or f"strategy.stall_timeout={stall_timeout}"
 
     def launch(self, config: Any, run_dir: Path, deterministic: bool = False) -> None:
         """Run the workers on `config` (the resolved job config) until they end; raise how a failed job failed."""
@@ -134,7 +135,7 @@ class ElasticLauncher:
             (scratch / folder).mkdir()
         OmegaConf.save(config, scratch / "config.yaml")
         stop = _StopForwarder(self.shutdown_timeout, scratch / "workers")
-        watch = StallWatch(scratch / "beats", self.num_processes, self.stall_timeout, run_dir) \
+        watch = StallWatch(scratch / "beats", self.num_processes, self.stall_timeout, run_dir, self.stall_setting) \
             if self.stall_timeout else contextlib.nullcontext()
         try:
             with _worker_environment(self.num_processes, deterministic, scratch, bool(self.stall_timeout)), \

@@ -335,3 +335,22 @@ def test_after_ending_an_attempt_the_watch_follows_the_restarted_one(tmp_path: P
         wait_for(lambda: not (tmp_path / "0").exists(), 30, "the ended attempt's record removed")
         _beat(tmp_path, 0, os.getpid(), 0, 0, steps=1)
         wait_for(lambda: watch.message is None, 30, "message dropped for the restarted attempt")
+
+
+@pytest.mark.parametrize("stall, timeout, limit, named", [
+    (300, 1800, 300, "strategy.stall_timeout=300"),
+    (5, 1800, 5, "strategy.stall_timeout=5"),
+    # The collectives would give up first and blame a rank that waited: the watch comes before them.
+    (300, 30, 24, "strategy.stall_timeout=300, kept below strategy.timeout=30"),
+    (300, 2, 300, "strategy.stall_timeout=300"),  # a timeout this short is the user's own watch
+    (None, 30, None, None), (0, 30, None, None)])
+def test_the_stall_limit_comes_before_the_collectives_timeout(stall: Optional[float], timeout: float,
+                                                              limit: Optional[float], named: Optional[str]) -> None:
+    import torch
+
+    from runner.strategies import DDPStrategy
+
+    launcher = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, stall_timeout=stall, timeout=timeout).launcher
+    assert launcher.stall_timeout == limit
+    if named:
+        assert launcher.stall_setting == named

@@ -27,6 +27,9 @@ _REDUCE_OPS = {
     "product": dist.ReduceOp.PRODUCT,
 }
 _MEAN_NAMES = ("mean", "avg")
+# The launcher's stall watch ends a job before its collectives' timeout would: at this share of it, if not sooner,
+# unless that leaves less than the floor (a timeout that short is the user's own stall watch).
+STALL_SHARE, STALL_FLOOR_S = 0.8, 10.0
 
 
 class DDPStrategy(Strategy):
@@ -94,7 +97,20 @@ class DDPStrategy(Strategy):
             return None
         from runner.launch import ElasticLauncher
 
-        return ElasticLauncher(len(self.parallel_devices), self.start_method, stall_timeout=self.stall_timeout)
+        limit, setting = self._stall_limit()
+        return ElasticLauncher(len(self.parallel_devices), self.start_method, stall_timeout=limit,
+                               stall_setting=setting)
+
+    def _stall_limit(self) -> tuple[Optional[float], str]:
+        """`stall_timeout`, kept below `timeout` where that leaves STALL_FLOOR_S seconds or more: the launcher
+        names the stuck rank before a collective gives up and blames a rank that waited for it."""
+        if not self.stall_timeout:
+            return None, ""
+        below = STALL_SHARE * self.timeout.total_seconds()
+        if self.stall_timeout <= below or below < STALL_FLOOR_S:
+            return self.stall_timeout, f"strategy.stall_timeout={self.stall_timeout:g}"
+        return below, (f"strategy.stall_timeout={self.stall_timeout:g}, kept below strategy.timeout="
+                       f"{self.timeout.total_seconds():g}")
 
     def _backend(self) -> str:
         if self.process_group_backend:
