@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 # Set by the launcher in the workers' environment: the private folder of the launch where beats go.
 HEARTBEAT_DIR = "RUNNER_HEARTBEAT_DIR"
@@ -110,7 +110,7 @@ def attach(beat: Any, loop: Any, compiled: bool) -> None:
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
-    """The rank's log, where its stacks are dumped: runner.log for rank 0, rank_<k>.log for the others."""
+    """The rank's log, where the watch keeps its stacks: runner.log for rank 0, rank_<k>.log for the others."""
     return Path(run_dir) / ("runner.log" if rank == 0 else f"rank_{rank}.log")
 
 
