@@ -47,11 +47,18 @@ class Heartbeat:
         self._write()
 
     def step(self, step: int) -> None:
-        self._step, self._ticks, self._steps = step, 0, self._steps + 1
+        self._step, self._ticks, self._steps, self._paused = step, 0, self._steps + 1, 0
         self._write()
 
     def tick(self, *hook_args: Any) -> None:
         self._ticks += 1
+        self._write()
+
+    def rest(self, *hook_args: Any) -> None:
+        """After the optimizer's step, in a compiled run (no forward beats): what follows until the next step
+        (logging, validation, saving) is not watched, rather than watched blind."""
+        self._ticks += 1
+        self._paused = 1
         self._write()
 
     def on_save_checkpoint(self, loop: Any, checkpoint: dict) -> None:
@@ -101,11 +108,16 @@ def read_beats(folder: Path) -> dict[int, _Rank]:
 
 
 def attach(beat: Any, loop: Any, compiled: bool) -> None:
-    """Beat at each step of `loop`, after each forward pass of its task module, and pause around its saves."""
+    """Beat at each step of `loop`, after each forward pass of its task module (training and validation) and
+    after each optimizer step, and pause around its saves. A compiled module gets no forward hook (a Python call
+    inside it would break its graph, or fail with fullgraph=True): the watch then covers the steps alone."""
     loop.heartbeat = beat
     if isinstance(beat, Heartbeat):
         loop.callbacks.by_name["heartbeat"] = beat  # no state_dict: nothing of it goes into checkpoints
-        if not compiled:  # a Python hook inside a compiled module would break its graph
+        register = getattr(loop.optimizer, "register_step_post_hook", None)  # a torch.optim.Optimizer's
+        if register is not None:
+            register(beat.rest if compiled else beat.tick)
+        if not compiled:
             loop.task.register_forward_hook(beat.tick)
 
 

@@ -354,3 +354,32 @@ def test_the_stall_limit_comes_before_the_collectives_timeout(stall: Optional[fl
     assert launcher.stall_timeout == limit
     if named:
         assert launcher.stall_setting == named
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_beats_come_from_the_step_its_forward_passes_and_the_optimizer(tmp_path: Path, compiled: bool) -> None:
+    """A compiled module beats only at its steps: after the optimizer's step the watch rests until the next one,
+    so a long validation is never taken for a stall."""
+    import torch
+    from types import SimpleNamespace
+
+    from runner.callbacks import Callbacks
+    from runner.heartbeat import Heartbeat, attach, read_beats
+
+    task = torch.nn.Linear(2, 1)
+    loop = SimpleNamespace(task=task, optimizer=torch.optim.SGD(task.parameters(), lr=0.1), callbacks=Callbacks())
+    attach(Heartbeat(tmp_path, 0), loop, compiled=compiled)
+    loop.heartbeat.step(7)
+    task(torch.ones(1, 2)).sum().backward()
+    loop.optimizer.step()
+    beat = read_beats(tmp_path)[0]
+    assert (beat.pid, beat.step, beat.steps) == (os.getpid(), 7, 1)
+    assert (beat.ticks, beat.paused) == ((1, True) if compiled else (2, False))
+    task.eval()
+    task(torch.ones(1, 2))  # a validation batch
+    assert read_beats(tmp_path)[0].ticks == (1 if compiled else 3)
+    loop.callbacks.call("on_save_checkpoint", loop, {})
+    assert read_beats(tmp_path)[0].paused
+    loop.callbacks.call("on_checkpoint_saved", loop, tmp_path)
+    loop.heartbeat.step(8)
+    assert not read_beats(tmp_path)[0].paused and read_beats(tmp_path)[0].steps == 2
