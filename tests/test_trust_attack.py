@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner import run_lock
-from tests._dist import clean_environ
+from _dist import clean_environ
 
 
 def _text(value: str) -> bytes:
@@ -42,8 +42,6 @@ with open(Path(sys.argv[2]), "w") as stream:  # what the process writes next, th
 """
 
 
-@pytest.mark.xfail(strict=True, reason="BUILD on an allowed class sets class attributes: a .metadata redirects "
-                                       "every later Path of the process to a file it names")
 def test_metadata_cannot_change_a_class_for_the_rest_of_the_process(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     folder = tmp_path / "evil.ckpt"
@@ -62,16 +60,12 @@ def test_metadata_cannot_change_a_class_for_the_rest_of_the_process(tmp_path: Pa
     assert ordinary.read_text() == "ordinary file"
 
 
-@pytest.mark.xfail(strict=True, reason="RunFolderBusy does not survive pickling: a joblib sweep whose jobs "
-                                       "share a folder ends in loky's BrokenProcessPool traceback")
 def test_the_busy_folder_refusal_crosses_process_boundaries(tmp_path: Path) -> None:
     busy = run_lock.RunFolderBusy(tmp_path, "1234")
     again = pickle.loads(pickle.dumps(busy))
     assert str(again) == str(busy)
 
 
-@pytest.mark.xfail(strict=True, reason="the per-process hold count lets a second thread of the same process "
-                                       "take a folder another thread's run holds")
 def test_a_second_thread_cannot_take_a_folder_another_thread_holds(tmp_path: Path) -> None:
     taken, done = threading.Event(), threading.Event()
 
@@ -91,3 +85,26 @@ def test_a_second_thread_cannot_take_a_folder_another_thread_holds(tmp_path: Pat
     finally:
         done.set()
         holder.join(60)
+
+
+@pytest.mark.parametrize("module, name, attribute", [
+    ("torch.serialization", "_get_layout", "cache"),             # a function's __dict__
+    ("torch.distributed.checkpoint.metadata", "Metadata", "planner_data"),  # a dataclass's class attribute
+])
+def test_metadata_cannot_give_state_to_an_allowed_class_or_function(tmp_path: Path, module: str, name: str,
+                                                                    attribute: str) -> None:
+    import importlib
+
+    from runner.checkpoint_io.base import CheckpointError
+    from runner.checkpoint_io.dcp_metadata import read_metadata
+
+    target = getattr(importlib.import_module(module), name)
+    before = dict(vars(target))
+    folder = tmp_path / "evil.ckpt"
+    folder.mkdir()
+    # BUILD with a plain dict state: setattr on the target itself.
+    (folder / ".metadata").write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"}" + _text(attribute)
+                                       + _text("poisoned") + b"sb.")
+    with pytest.raises(CheckpointError, match="refused without running it"):
+        read_metadata(folder)
+    assert dict(vars(target)) == before

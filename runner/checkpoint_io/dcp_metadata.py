@@ -40,7 +40,29 @@ class RefusedGlobal(pickle.UnpicklingError):
     """The pickle names a global outside the allowed set."""
 
 
-class _Unpickler(pickle.Unpickler):
+# The classes whose instances a pickle may give state to (BUILD). Without this limit BUILD on an allowed class or
+# function itself sets attributes on it for the whole process (`PosixPath._str`: every later path goes where the
+# file says), so state is only accepted by instances of DCP's metadata dataclasses.
+_STATEFUL = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _Unpickler(pickle._Unpickler):  # the Python unpickler: the C one cannot be told which BUILDs to refuse
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        kind = type(target)
+        if isinstance(target, type) or (kind.__module__, kind.__qualname__) not in _STATEFUL:
+            described = getattr(target, "__qualname__", None) or kind.__qualname__
+            raise RefusedGlobal(f"state for {getattr(target, '__module__', kind.__module__)}.{described}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
