@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 LOCK_FILE = Path(".hydra") / "run.lock"
 
-# The folders this process holds: folder -> [file descriptor, how many holders]. A process takes a folder once
-# (a second flock of the same file from this process would block on its own lock).
+# The folders this process holds: folder -> [file descriptor, how many holds, the holding thread]. A process takes
+# a folder once (a second flock of the same file from this process would succeed on its own lock); the thread that
+# took it may take it again (the CLI, then fit()), another thread of the process is refused like another process.
 _held: dict[Path, list[int]] = {}
 
 
@@ -28,11 +30,17 @@ class RunFolderBusy(RuntimeError):
         super().__init__(f"{run_dir} is in use by a running job ({owner}); wait for it to end, or choose another "
                          "folder with hydra.run.dir=<folder>")
 
+    def __reduce__(self) -> tuple:
+        # A sweep's parallel launcher (joblib) sends a job's error back to the sweep in a pickle.
+        return type(self), (self.run_dir, self.pid)
+
 
 def acquire(run_dir: Path) -> None:
     """Take `run_dir` for this process (again, if it holds it already), or raise RunFolderBusy."""
     folder = Path(run_dir).absolute()
     if folder in _held:
+        if _held[folder][2] != threading.get_ident():
+            raise RunFolderBusy(folder, f"{os.getpid()}, another thread")
         _held[folder][1] += 1
         return
     path = folder / LOCK_FILE
@@ -50,7 +58,7 @@ def acquire(run_dir: Path) -> None:
         os.close(fd)  # its holder removed the file as it ended, after this process opened it: open the new one
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[folder] = [fd, 1]
+    _held[folder] = [fd, 1, threading.get_ident()]
 
 
 def _same_file(fd: int, path: Path) -> bool:
