@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -24,6 +25,8 @@ HEARTBEAT_DIR = "RUNNER_HEARTBEAT_DIR"
 # How much longer than the longest pause seen between beats a rank may be quiet before it counts as stuck.
 SLOWEST_PAUSE_FACTOR = 10
 DUMP_SIGNAL = signal.SIGUSR2  # on it each launched worker dumps its Python stacks (faulthandler)
+
+log = logging.getLogger("runner")
 
 
 class NoHeartbeat:
@@ -130,7 +133,8 @@ class StallWatch:
     """A thread of the launcher that reads the beats. When an armed rank has been quiet for `timeout` seconds (or
     SLOWEST_PAUSE_FACTOR times the longest pause seen between its beats, if longer), it has every worker dump its
     stacks, keeps a message naming the least advanced rank with its stack, and kills the workers: the launcher
-    then reports that message. A rank is armed once every rank has finished its first step."""
+    then reports that message. A rank is armed once every rank has finished its first step. Ranks all quiet at
+    the same point are not stuck on one another: that is said in the log, and the job goes on."""
 
     def __init__(self, folder: Path, num_processes: int, timeout: float, run_dir: Path, setting: str = "") -> None:
         self.folder, self.num_processes, self.timeout, self.run_dir = folder, num_processes, timeout, run_dir
@@ -139,6 +143,7 @@ class StallWatch:
         self.message: Optional[str] = None
         self._ranks: dict[int, _Rank] = {}
         self._slowest = 0.0
+        self._all_quiet_at: Optional[tuple[int, int]] = None  # where every rank was quiet, said once
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="runner-stall-watch", daemon=True)
 
@@ -189,7 +194,18 @@ class StallWatch:
         if not any(now - seen.changed > limit for seen in active.values()):
             return []
         least = min((seen.step, seen.ticks) for seen in active.values())
-        return sorted(rank for rank, seen in active.items() if (seen.step, seen.ticks) == least)
+        stuck = sorted(rank for rank, seen in active.items() if (seen.step, seen.ticks) == least)
+        if len(stuck) == self.num_processes:
+            # Every rank quiet at the same point: none waits for another (a slow callback, upload or metric on
+            # all of them, or a collective that hangs for all, which strategy.timeout ends). Said once, not ended.
+            if self._all_quiet_at != least:
+                self._all_quiet_at = least
+                log.warning("every rank has been quiet for %.0f s at the same point of step %d (%s): none waits "
+                            "for another, so the job goes on; a collective that never completes ends at "
+                            "strategy.timeout", now - min(seen.changed for seen in active.values()), least[0] + 1,
+                            self.setting)
+            return []
+        return stuck
 
     def _armed(self) -> bool:
         return len(self._ranks) == self.num_processes and all(seen.steps >= 2 for seen in self._ranks.values())

@@ -292,8 +292,10 @@ def test_the_watch_waits_for_saves_and_for_the_slowest_pause_seen(tmp_path: Path
         _beat(tmp_path, 0, 10, step, 0, steps=step)
         _beat(tmp_path, 1, 11, step, 0, steps=step)
         assert watch.check(now) == []
-    assert watch.check(150.0) == []
-    assert watch.check(222.0) == [0, 1], "both quiet at the same point: both named"
+    _beat(tmp_path, 0, 10, 6, 1, steps=6)  # rank 0 goes on to its reduction, rank 1 stays in its forward
+    assert watch.check(22.0) == []
+    assert watch.check(220.0) == [], "within ten times the 20 s step"
+    assert watch.check(222.0) == [1]
     watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
     _beat(tmp_path, 0, 12, 7, 0, paused=1, steps=3)  # saving a checkpoint
     _beat(tmp_path, 1, 13, 7, 0, paused=1, steps=3)
@@ -320,17 +322,19 @@ def test_a_handled_failure_of_one_rank_is_said_once_without_the_peers_traceback(
 def test_after_ending_an_attempt_the_watch_follows_the_restarted_one(tmp_path: Path) -> None:
     """trainer.max_restarts: the restarted workers are watched from their own records, and the stall message
     of the ended attempt is dropped once they beat."""
-    with StallWatch(tmp_path, 1, timeout=0.5, run_dir=tmp_path) as watch:
-        stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGUSR2, "
-                                  "signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"],
-                                 stdout=subprocess.PIPE, text=True)
+    with StallWatch(tmp_path, 2, timeout=0.5, run_dir=tmp_path) as watch:
+        workers = [subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGUSR2, "
+                                     "signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"],
+                                    stdout=subprocess.PIPE, text=True) for _ in range(2)]
         try:
-            assert stuck.stdout.readline().strip() == "ready"  # a worker without stacks to dump
-            _beat(tmp_path, 0, stuck.pid, 5, 0, steps=3)
+            assert all(w.stdout.readline().strip() == "ready" for w in workers)  # workers without stacks to dump
+            _beat(tmp_path, 0, workers[0].pid, 5, 0, steps=3)
+            _beat(tmp_path, 1, workers[1].pid, 5, 1, steps=3)  # waits for rank 0 in the step's reduction
             wait_for(lambda: watch.message is not None, 30, "stall message")
-            assert stuck.wait(timeout=30) == -signal.SIGKILL
+            assert [w.wait(timeout=30) for w in workers] == [-signal.SIGKILL] * 2
         finally:
-            stuck.kill()
+            for w in workers:
+                w.kill()
         assert "rank 0 made no progress" in watch.message and "in step 6" in watch.message
         wait_for(lambda: not (tmp_path / "0").exists(), 30, "the ended attempt's record removed")
         _beat(tmp_path, 0, os.getpid(), 0, 0, steps=1)
@@ -383,3 +387,19 @@ def test_beats_come_from_the_step_its_forward_passes_and_the_optimizer(tmp_path:
     loop.callbacks.call("on_checkpoint_saved", loop, tmp_path)
     loop.heartbeat.step(8)
     assert not read_beats(tmp_path)[0].paused and read_beats(tmp_path)[0].steps == 2
+
+
+def test_ranks_quiet_together_at_one_point_are_not_ended(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A callback, upload or metric that is slow on every rank leaves no rank waiting for another: said, not ended."""
+    watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+    for now, step in ((0.0, 4), (1.0, 5)):
+        _beat(tmp_path, 0, 10, step, 1, steps=step)
+        _beat(tmp_path, 1, 11, step, 1, steps=step)
+        assert watch.check(now) == []
+    with caplog.at_level("WARNING", logger="runner"):
+        assert watch.check(100.0) == [] and watch.check(200.0) == []
+    said = [r.getMessage() for r in caplog.records if "quiet" in r.getMessage()]
+    assert len(said) == 1 and "same point of step 6" in said[0]
+    _beat(tmp_path, 0, 10, 5, 2, steps=5)  # rank 0 moves on and waits: rank 1 is now the one stuck
+    assert watch.check(201.0) == []  # the 200 s pause is the slowest seen now: ten times it is allowed
+    assert watch.check(2202.0) == [1]
