@@ -613,8 +613,9 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
         return
     except _REFUSALS as error:
         steps = f"within the run's {planned} optimizer steps" if planned else "on its first steps"
-        yield (f"scheduler ({cfg.scheduler._target_}) fails {steps} with "
-               f"{_settings('scheduler', cfg.scheduler)}: {_one_line(error)}")
+        settings = _settings("scheduler", cfg.scheduler)
+        yield (f"scheduler ({cfg.scheduler._target_}) fails {steps}{f' with {settings}' if settings else ''}: "
+               f"{_one_line(error)}")
         return
     if planned:
         yield from _check_rates(cfg, rates, planned, optimizer)
@@ -849,21 +850,28 @@ def _check_checkpoint(cfg: DictConfig, path: Any, processes: int) -> Iterator[st
 def _read_checked(cfg: DictConfig, path: Any) -> dict:
     """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
     the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
-    from runner.checkpoint_io import TorchCheckpointIO, sharded, trust
+    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded, trust
 
     # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
-    trusted = (bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
-               and cfg.trainer.ckpt_path not in ("last", "best"))
+    wanted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
+    trusted = wanted and cfg.trainer.ckpt_path not in ("last", "best")
     try:
         task = trust.task_name(build_task(cfg))
     except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
         task = None
-    if sharded.is_sharded(path):
-        checkpoint = sharded.skeleton(path, trusted)
-        trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
-    else:
-        checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
-        trust.check(path, checkpoint, task)
+    try:
+        if sharded.is_sharded(path):
+            checkpoint = sharded.skeleton(path, trusted)
+            trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
+        else:
+            checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
+            trust.check(path, checkpoint, task)
+    except CheckpointError as error:
+        if wanted and not trusted and "checksum" in str(error):
+            raise CheckpointError(f"{error} (trainer.trust_unchecked_checkpoint=true is not taken for "
+                                  f"trainer.ckpt_path={cfg.trainer.ckpt_path}, which may find any run's folder: "
+                                  f"name this one, trainer.ckpt_path={path})") from None
+        raise
     return checkpoint
 
 
