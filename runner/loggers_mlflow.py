@@ -27,6 +27,12 @@ _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml", "resolved.yaml")
 INSTALL = "logger=mlflow needs the mlflow package: pip install 'runner[mlflow]' (or pip install mlflow)"
 
 
+# MLflow's own defaults (120 s a request, 7 retries with back-off) hold one log call for about 20 minutes on a
+# server that hangs: longer than strategy.stall_timeout, so a DDP job would be ended for it. A user's own settings
+# of these variables win.
+_REQUEST_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+
+
 def _import_mlflow() -> None:
     try:
         import mlflow.tracking  # noqa: F401 - the client, imported only when this logger is chosen
@@ -84,6 +90,8 @@ class MLflowLogger:
         if not isinstance(fail_on_error, bool):
             raise ValueError(f"fail_on_error={fail_on_error} must be true or false")
         _import_mlflow()
+        for name, value in _REQUEST_LIMITS.items():  # read by MLflow's client at each request
+            os.environ.setdefault(name, value)
         self.root = Path(root_dir)
         self.job = read_job(root_dir)
         self.tracking_uri, self._uri_source = tracking_uri_of(tracking_uri, self.job.store_dir)
@@ -102,9 +110,12 @@ class MLflowLogger:
     # -- the checks before any worker starts ----------------------------------------------------------
     def check_service(self) -> list[str]:
         """One line per problem with the tracking store, found before training (a server that is down)."""
-        if not self.tracking_uri.startswith(("http://", "https://", "file:")) and "://" in self.tracking_uri:
-            return []  # a database: opened (and made) with the first log, under the lock
         where = f"{self.tracking_uri} (from {self._uri_source})"
+        if self.tracking_uri.startswith("sqlite:") and sqlite_path(self.tracking_uri) is None:
+            return [f"MLflow cannot keep runs in {where}: an in-memory database is lost when the process ends; "
+                    "name a file (sqlite:////path/to/mlflow.db) or leave the setting out for the default"]
+        if not self.tracking_uri.startswith(("http://", "https://", "file:")) and "://" in self.tracking_uri:
+            return _open_database_store(self.tracking_uri, where)
         if urlparse(self.tracking_uri).scheme in ("", "file"):  # recent MLflow refuses its plain file store
             return _open_file_store(self.tracking_uri, where)
         try:
@@ -168,6 +179,12 @@ class MLflowLogger:
             experiment_id = _experiment_id(client, self.experiment_name, self._artifact_location())
         saved = read_saved_run(self.root / RUN_RECORD)
         run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
+        if run is not None and (run.info.experiment_id != experiment_id
+                                or run.data.tags.get("runner.run_dir") != str(self.job.run_dir)):
+            log.warning("%s names MLflow run %s, which is not this folder's run of experiment %s (a copied or "
+                        "edited folder?): starting a new run", self.root / RUN_RECORD, run.info.run_id,
+                        self.experiment_name)
+            run = None
         if run is not None:
             client.update_run(run.info.run_id, status="RUNNING")
             log.info("continuing MLflow run %s (experiment %s) at %s", run.info.run_id, run.info.experiment_id,
@@ -259,6 +276,18 @@ def _probe(uri: str) -> int:
     response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
                             max_retries=0, timeout=10, raise_on_status=False, params={"max_results": 1})
     return response.status_code
+
+
+def _open_database_store(uri: str, where: str) -> list[str]:
+    """A database store (SQLite, PostgreSQL, ...) opened once, as the first log will: made if new, under the lock."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        with store_lock(uri):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as error:  # noqa: BLE001 - any failure to open the store is the message
+        return [f"MLflow cannot use the store {where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}"]
+    return []
 
 
 def _open_file_store(uri: str, where: str) -> list[str]:

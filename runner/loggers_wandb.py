@@ -52,9 +52,17 @@ class WandbLogger:
         self.job_type = job_type or self.job.stage
         self.tags = list(tags or [])
         self.run: Any = None
+        self._start_failed = False  # a failed start is not tried again (each try can wait on the service)
         self._resumed = False
         self._logged: set[str] = set()
         self._last_step = 0
+
+    def check_service(self) -> list[str]:
+        """Online mode needs a key, found before training rather than as a traceback at the first log."""
+        if self.mode != "online" or os.environ.get("WANDB_API_KEY") or _netrc_key():
+            return []
+        return ["mode=online needs a W&B API key: run `wandb login` or set WANDB_API_KEY (the default "
+                "mode=offline keeps the run in the run folder, for `wandb sync` later)"]
 
     def _start(self) -> None:
         saved = read_saved_run(self.root / RUN_RECORD)
@@ -78,7 +86,11 @@ class WandbLogger:
     @property
     def _active(self) -> Any:
         if self.run is None:
+            if self._start_failed:
+                raise RuntimeError("W&B did not start for this run (see the error above)")
+            self._start_failed = True
             self._start()
+            self._start_failed = False
         return self.run
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -99,6 +111,18 @@ class WandbLogger:
 
     def finalize(self) -> None:
         failed = sys.exc_info()[0] is not None  # called from a `finally`: an exception is on its way out
-        if self.run is None and not (self.root / ".hydra" / "resolved.yaml").is_file():
-            return  # nothing was logged, and this is no job's folder (the checks' scratch build)
+        if self._start_failed or (self.run is None and not (self.root / ".hydra" / "resolved.yaml").is_file()):
+            return  # W&B never started, or nothing was logged and this is no job's folder (the checks' build)
         self._active.finish(exit_code=1 if failed else 0)
+
+
+def _netrc_key() -> bool:
+    """Whether ~/.netrc (where `wandb login` writes) holds a key for the W&B host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

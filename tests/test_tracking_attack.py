@@ -15,8 +15,6 @@ TINY = ["accelerator=cpu", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
         "data.val_samples=16", "data.batch_size=8", "logger=mlflow"]
 
 
-@pytest.mark.xfail(strict=True, reason="a store URI that no MLflow store takes passes the checks and ends the "
-                                        "job mid-training with a traceback")
 @pytest.mark.parametrize("uri", ["htp://127.0.0.1:5000", "sqlite:///{tmp}/a_file/mlflow.db"])
 def test_unusable_store_is_one_line_before_training(tmp_path: Path, uri: str) -> None:
     (tmp_path / "a_file").write_text("not a folder")
@@ -28,8 +26,6 @@ def test_unusable_store_is_one_line_before_training(tmp_path: Path, uri: str) ->
     assert "Traceback" not in output and "starting at step" not in output
 
 
-@pytest.mark.xfail(strict=True, reason="the run id saved in the run folder is continued whatever experiment "
-                                        "(and run folder) its run belongs to")
 def test_saved_run_of_another_experiment_is_not_continued(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -49,8 +45,6 @@ def test_saved_run_of_another_experiment_is_not_continued(tmp_path: Path) -> Non
     assert client.get_experiment(client.get_run(logger.run_id).info.experiment_id).name == "mine"
 
 
-@pytest.mark.xfail(strict=True, reason="finalize after a failed wandb.init starts W&B again (a second "
-                                        "init timeout when the service cannot be reached)")
 def test_wandb_finalize_does_not_init_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb
 
@@ -74,3 +68,30 @@ def test_wandb_finalize_does_not_init_again(tmp_path: Path, monkeypatch: pytest.
         except wandb.errors.CommError:
             pass
     assert len(calls) == 1
+
+
+def _job_folder(tmp_path: Path) -> Path:
+    (tmp_path / ".hydra").mkdir(exist_ok=True)
+    (tmp_path / ".hydra" / "resolved.yaml").write_text("stage: fit\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///", "sqlite:///:memory:", "sqlite://"])
+def test_an_in_memory_database_is_refused(tmp_path: Path, uri: str) -> None:
+    from runner.loggers_mlflow import MLflowLogger
+
+    problems = MLflowLogger(str(_job_folder(tmp_path)), tracking_uri=uri).check_service()
+    assert len(problems) == 1 and "in-memory database is lost" in problems[0]
+
+
+def test_wandb_online_without_a_key_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.loggers_wandb import WandbLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    problems = WandbLogger(str(_job_folder(tmp_path)), mode="online").check_service()
+    assert len(problems) == 1 and "needs a W&B API key" in problems[0]
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert WandbLogger(str(tmp_path), mode="online").check_service() == []
+    assert WandbLogger(str(tmp_path), mode="offline").check_service() == []
