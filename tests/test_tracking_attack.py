@@ -95,3 +95,19 @@ def test_wandb_online_without_a_key_is_one_line(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert WandbLogger(str(tmp_path), mode="online").check_service() == []
     assert WandbLogger(str(tmp_path), mode="offline").check_service() == []
+
+
+def test_requests_to_a_hung_server_are_bounded_below_the_stall_watch(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    from runner.loggers_mlflow import MLflowLogger
+
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    MLflowLogger(str(_job_folder(tmp_path)), tracking_uri="http://127.0.0.1:9")
+    # Back-off of 2 and 4 s between the tries: well inside the default strategy.stall_timeout of 300 s.
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() * (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() + 1) + 6 < 120
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "300")  # the user's own setting wins
+    MLflowLogger(str(tmp_path), tracking_uri="http://127.0.0.1:9")
+    assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() == 300
