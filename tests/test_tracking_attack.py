@@ -9,8 +9,6 @@ import pytest
 
 from _dist import clean_environ, run_cli
 
-pytestmark = pytest.mark.xdist_group("tracking")
-
 TINY = ["accelerator=cpu", "trainer.max_steps=4", "trainer.log_every_n_steps=2", "data.num_samples=64",
         "data.val_samples=16", "data.batch_size=8", "logger=mlflow"]
 
