@@ -33,6 +33,7 @@ from runner.environments import SLURMEnvironment
 from runner.entry import SAME_REQUEST_S, STOP_SIGNALS
 from runner.launch import alive
 from runner.logs import apply_job_logging
+from runner.tracking import flatten
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 
@@ -98,15 +99,6 @@ def configure_logging(run_dir: Path, rank: int) -> None:
     log.handlers = [file_handler, console]
     log.setLevel(logging.INFO)
     log.propagate = False
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        items: dict[str, Any] = {}
-        for key, value in tree.items():
-            items.update(flatten(value, f"{prefix}{key}."))
-        return items
-    return {prefix[:-1]: tree}
 
 
 def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None) -> dict:

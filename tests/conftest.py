@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
+from runner import cli
 from runner.config import register_configs, register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,3 +129,15 @@ def read_events(run_dir: Path) -> Any:
 
 def scalar_steps(run_dir: Path, tag: str) -> list[int]:
     return [event.step for event in read_events(run_dir).Scalars(tag)]
+
+
+def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """`python -m runner *args` in this process: the exit code and what it printed."""
+    monkeypatch.setattr(sys, "argv", ["runner", *args])
+    code: Optional[int] = 0
+    try:
+        cli.main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err

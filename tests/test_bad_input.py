@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import runner
-from conftest import TINY, clean_environ
+from conftest import TINY, clean_environ, run_main
 from runner import cli
 from runner.config import ConfigError
 
@@ -149,18 +149,6 @@ def files_under(folder: Path) -> set[str]:
 
 def written_beyond_hydra(run_dir: Path) -> set[str]:
     return {f for f in files_under(run_dir) if not f.startswith(".hydra/") and f != "runner.log"}
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple[int, str]:
-    """`python -m runner *args` in this process: the exit code and what it printed."""
-    monkeypatch.setattr(sys, "argv", ["runner", *args])
-    code: Optional[int] = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 def test_the_matrix_holds_at_least_40_cases() -> None:

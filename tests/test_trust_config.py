@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import runner
-from conftest import TINY, clean_environ, compose_config
+from conftest import TINY, clean_environ, compose_config, run_main
 from runner import cli
 from runner.config import ConfigError
 from runner.schedulers import cosine, learning_rates, schedule_problem
@@ -66,18 +66,6 @@ REFUSED = [
     ("ragged-validation-samples", ["data._target_=trust_data.RaggedValidation"],
      "the first 4 samples of val_dataset do not form a batch with the default collate"),
 ]
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> tuple[int, str]:
-    """`python -m runner *args` in this process: the exit code and what it printed."""
-    monkeypatch.setattr(sys, "argv", ["runner", *args])
-    code: Optional[int] = 0
-    try:
-        cli.main()
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
