@@ -174,7 +174,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     from hydra.types import RunMode
 
     from runner import job, sweep
-    from runner.launch import stop_message
+    from runner.errors import stop_message
     from runner.logs import chosen_job_logging
 
     hydra_cfg = HydraConfig.get()
@@ -222,7 +222,7 @@ def _end_stopped_sweep(signum: int, job_dir: Path) -> None:
 
 
 def _expected(error: BaseException) -> bool:
-    from runner.job import is_user_error
+    from runner.errors import is_user_error
 
     return is_user_error(error)
 

@@ -15,25 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-# The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
-WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
-# SIGHUP too: a closed terminal or SSH session reaches the launcher, which passes it on to the workers.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# One Ctrl-C can arrive twice within milliseconds: from the terminal to the whole process group, and again from a
-# wrapper that passes it on (timeout, a shell script, srun). A second one this soon is the same request, not
-# "Ctrl-C twice: stop now, without saving".
-SAME_REQUEST_S = 0.2
-
-
-def end_with_parent() -> None:
-    """Linux: SIGTERM this process when its launcher dies, even by SIGKILL, so no orphan keeps training."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own shutdown still ends the workers in the usual cases
-
+from runner.processes import STOP_SIGNALS, WORKER_REGISTRY, end_with_parent
 
 def _end_now(signum: int, frame: object) -> None:
     """End as a process without a handler would: by the signal, printing nothing (nothing needs closing yet)."""

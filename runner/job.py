@@ -14,27 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import run_lock
 from runner.config import ConfigError, make_unique_dir
-from runner.entry import end_with_parent
 from runner.instantiate import build_strategy, validate
-from runner.launch import ElasticLauncher
+from runner.launch import launcher_for
+from runner.processes import end_with_parent
 
 log = logging.getLogger("runner")
-
-
-def is_user_error(error: BaseException) -> bool:
-    """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
-    from hydra.errors import InstantiationException
-
-    from runner.checkpoint_io import CheckpointError
-    from runner.config import ConfigError
-    from runner.launch import JobStopped, WorkerFailed
-    from runner.loop import NonFiniteLossError
-    from runner.callbacks import CallbackError
-    from runner.tasks import BatchError
-
-    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
-             BatchError, CallbackError, run_lock.RunFolderBusy)
-    return isinstance(error, known)
 
 
 # What a checkpoint found by `last`/`best` outside the run folder must share with this run's config: to train on,
@@ -197,14 +181,9 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
                         "(trainer.ckpt_path=last continues it instead)", run_dir)
         save_job_logging(run_dir, job_logging)
         _write_config_record(cfg, resolved, run_dir)
-        launcher = strategy.launcher
-        restarts = cfg.trainer.get("max_restarts", 0)
-        if launcher is None and restarts and not _external(strategy):
-            # Restarts need a supervising process: run the single worker under the launcher too.
-            launcher = ElasticLauncher(1, "popen")
+        launcher = launcher_for(strategy.processes, cfg.trainer.get("max_restarts", 0), _external(strategy))
         if launcher is None:
             return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
-        launcher.max_restarts = restarts
         log.info("starting %d worker processes (%s)", launcher.num_processes, launcher.start_method)
         # The workers read their own copy, in the launch's private folder: nothing written into the run folder
         # meanwhile changes what they build.

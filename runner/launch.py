@@ -6,7 +6,6 @@ import _thread
 import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import shutil
@@ -19,41 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
-from runner.entry import SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY
+from runner.errors import JobStopped, WorkerFailed
+from runner.processes import PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive
 
 StartMethod = Literal["popen", "spawn", "fork"]
-
-
-class JobStopped(RuntimeError):
-    """The job was asked to stop by a signal; its workers saved last.ckpt at a step boundary and exited."""
-
-    def __init__(self, signum: int, run_dir: Path) -> None:
-        self.signum = signum
-        super().__init__(stop_message(signum, run_dir))
-
-
-def stop_message(signum: int, run_dir: Path) -> str:
-    """What a stopped job tells its user: the signal, the step it saved, and how to continue (if it can)."""
-    name = signal.Signals(signum).name if signum else "a signal"
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if not last.exists():
-        return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
-    # A stopped run's metrics.json is written after its last.ckpt, at the same step: no checkpoint to read.
-    try:
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        metrics = {}
-    if not metrics.get("stopped_early"):
-        return f"stopped by {name}; resume with trainer.ckpt_path={last}"
-    return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
-
-
-class WorkerFailed(RuntimeError):
-    """A worker of the job raised or died; the message names the rank and carries its traceback."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        self.rank = rank
-        super().__init__(message)
 
 
 @contextlib.contextmanager
@@ -94,14 +62,16 @@ def remove_stale_scratch() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, as another user's
-        pass
-    return True
+def launcher_for(wanted: Any, max_restarts: int = 0, external: bool = False) -> Optional["ElasticLauncher"]:
+    """What starts a job's workers: the processes its strategy asks for (`strategy.processes`, or None); one
+    supervised worker when restarts are asked for, since a restart needs a process that outlives the worker,
+    unless the processes were `external`ly created (torchrun, srun); else none."""
+    if wanted is None and max_restarts and not external:
+        return ElasticLauncher(1, "popen", max_restarts=max_restarts)
+    if wanted is None:
+        return None
+    return ElasticLauncher(wanted.count, wanted.start_method, max_restarts=max_restarts,
+                           stall_timeout=wanted.stall_timeout, stall_setting=wanted.stall_setting)
 
 
 class ElasticLauncher:
@@ -298,11 +268,6 @@ def _workers(registry: Path) -> list[int]:
         if int(stat.rpartition(")")[2].split()[1]) == os.getpid():  # the fields after the name: state, ppid, ...
             found.append(int(entry.name))
     return found
-
-
-# What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
-PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
-              "remote process exited")
 
 
 def _first_cause(failures: dict[int, object]) -> int:

@@ -30,9 +30,8 @@ from runner import instantiate as build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
-from runner.entry import SAME_REQUEST_S, STOP_SIGNALS
-from runner.launch import alive
 from runner.logs import apply_job_logging
+from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.tracking import flatten
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
@@ -232,7 +231,7 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     """
     from omegaconf import OmegaConf
 
-    from runner.job import is_user_error
+    from runner.errors import is_user_error
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
@@ -243,12 +242,12 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     try:
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
     except Exception as error:
-        peer_gone = _peer_gone(error)
-        if not (peer_gone or is_user_error(error)):
+        consequence = peer_gone(error)
+        if not (consequence or is_user_error(error)):
             raise  # a bug: `record` passes the traceback to the launcher
         # The launcher prints the error, naming the rank (once, whichever rank it was); a rank that only saw
         # another one go away keeps its side of it, with the traceback, in its log.
-        _log_to_file(error, with_traceback=peer_gone)
+        _log_to_file(error, with_traceback=consequence)
         _report_to_launcher(error)
         sys.exit(1)
     finally:
@@ -257,14 +256,6 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
             # worker would wait for it forever. It has stopped at a step and saved; end now.
             logging.shutdown()
             os._exit(128 + signal.SIGTERM)
-
-
-def _peer_gone(error: BaseException) -> bool:
-    """The error a rank gets when another rank's process went away under a collective: a consequence."""
-    from runner.launch import PEER_GONE
-
-    text = f"{type(error).__name__}: {error}".lower()
-    return isinstance(error, (RuntimeError, OSError)) and any(pattern in text for pattern in PEER_GONE)
 
 
 def _log_to_file(error: BaseException, with_traceback: bool) -> None:

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from _dist import restore_environ, run_ranks  # noqa: F401 - restore_environ is a fixture
 from runner.environments import LocalEnvironment, SLURMEnvironment, TorchElasticEnvironment
-from runner.launch import ElasticLauncher
-from runner.strategies import DDPStrategy, auto_strategy
+from runner.launch import ElasticLauncher, launcher_for
+from runner.strategies import DDPStrategy, SingleDeviceStrategy, auto_strategy
 
 CPU2 = [torch.device("cpu"), torch.device("cpu")]
 
@@ -245,15 +245,24 @@ def test_bad_start_method_names_the_choices() -> None:
 
 @pytest.mark.parametrize("method", ["popen", "spawn", "fork"])
 def test_launcher_starts_one_process_per_device(method: str) -> None:
-    launcher = DDPStrategy(parallel_devices=CPU2 * 2, start_method=method).launcher
+    wanted = DDPStrategy(parallel_devices=CPU2 * 2, start_method=method).processes
+    assert (wanted.count, wanted.start_method) == (4, method)
+    launcher = launcher_for(wanted, max_restarts=2)
     assert isinstance(launcher, ElasticLauncher)
-    assert (launcher.num_processes, launcher.start_method) == (4, method)
+    assert (launcher.num_processes, launcher.start_method, launcher.max_restarts) == (4, method, 2)
 
 
 def test_no_launcher_for_one_device_or_external_processes() -> None:
-    assert DDPStrategy(parallel_devices=CPU2[:1]).launcher is None
-    assert DDPStrategy(parallel_devices=CPU2, cluster_environment=TorchElasticEnvironment()).launcher is None
-    assert DDPStrategy(parallel_devices=CPU2, cluster_environment=SLURMEnvironment()).launcher is None
+    assert DDPStrategy(parallel_devices=CPU2[:1]).processes is None
+    assert DDPStrategy(parallel_devices=CPU2, cluster_environment=TorchElasticEnvironment()).processes is None
+    assert DDPStrategy(parallel_devices=CPU2, cluster_environment=SLURMEnvironment()).processes is None
+    assert launcher_for(None) is None
+    assert launcher_for(None, max_restarts=1, external=True) is None  # torchrun restarts its own
+
+
+def test_restarts_put_a_single_process_under_the_launcher() -> None:
+    launcher = launcher_for(SingleDeviceStrategy().processes, max_restarts=1)
+    assert (launcher.num_processes, launcher.start_method, launcher.max_restarts) == (1, "popen", 1)
 
 
 def test_auto_strategy_picks_ddp_for_several_devices() -> None:

@@ -354,7 +354,10 @@ def test_the_stall_limit_comes_before_the_collectives_timeout(stall: Optional[fl
 
     from runner.strategies import DDPStrategy
 
-    launcher = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, stall_timeout=stall, timeout=timeout).launcher
+    from runner.launch import launcher_for
+
+    launcher = launcher_for(DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, stall_timeout=stall,
+                                        timeout=timeout).processes)
     assert launcher.stall_timeout == limit
     if named:
         assert launcher.stall_setting == named

@@ -5,6 +5,7 @@ from runner.strategies.ddp import DDPStrategy
 from runner.strategies.dp import DataParallelStrategy
 from runner.strategies.fsdp import FSDPStrategy
 from runner.strategies.single import SingleDeviceStrategy
-from runner.strategies.strategy import Strategy
+from runner.strategies.strategy import Strategy, WorkerProcesses
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "auto_strategy"]
+__all__ = ["Strategy", "SingleDeviceStrategy", "DataParallelStrategy", "DDPStrategy", "FSDPStrategy", "auto_strategy",
+           "WorkerProcesses"]

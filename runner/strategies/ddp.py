@@ -16,7 +16,7 @@ from runner.accelerators import Accelerator
 from runner.checkpoint_io import CheckpointIO
 from runner.environments import ClusterEnvironment, LocalEnvironment
 from runner.precision import Precision
-from runner.strategies.strategy import Strategy, T
+from runner.strategies.strategy import Strategy, T, WorkerProcesses
 
 StartMethod = Literal["popen", "spawn", "fork"]
 
@@ -92,14 +92,11 @@ class DDPStrategy(Strategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
-    def launcher(self) -> Any:
+    def processes(self) -> Optional[WorkerProcesses]:
         if self.cluster_environment.creates_processes_externally or len(self.parallel_devices) == 1:
             return None
-        from runner.launch import ElasticLauncher
-
         limit, setting = self._stall_limit()
-        return ElasticLauncher(len(self.parallel_devices), self.start_method, stall_timeout=limit,
-                               stall_setting=setting)
+        return WorkerProcesses(len(self.parallel_devices), self.start_method, limit, setting)
 
     def _stall_limit(self) -> tuple[Optional[float], str]:
         """`stall_timeout`, kept below `timeout` where that leaves STALL_FLOOR_S seconds or more: the launcher

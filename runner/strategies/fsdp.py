@@ -32,7 +32,7 @@ STATE_DICT_TYPES = ("sharded", "full")
 
 
 class FSDPStrategy(DDPStrategy):
-    """DDP's processes, process group, launcher and collectives; the model sharded with `fully_shard`.
+    """DDP's processes, process group and collectives; the model sharded with `fully_shard`.
 
     `shard`: class names of the submodules that become their own FSDP unit (gathered and freed together), or
     `auto`: every block of the model's first `nn.Sequential`/`nn.ModuleList` holding two or more blocks with

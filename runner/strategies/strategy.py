@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, TypeVar
 
 import torch
@@ -20,6 +21,16 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor of a (nested) batch to `device`, keeping the container types."""
     non_blocking = device.type == "cuda"
     return apply_to_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+
+@dataclass(frozen=True)
+class WorkerProcesses:
+    """The processes a strategy needs started on this node; the job picks the launcher that starts them."""
+
+    count: int
+    start_method: str = "popen"  # popen, spawn or fork
+    stall_timeout: Optional[float] = None  # seconds a worker may go without progress; None: not watched
+    stall_setting: str = ""  # the setting that chose stall_timeout, as the stall message names it
 
 
 class Strategy:
@@ -65,8 +76,9 @@ class Strategy:
         return None
 
     @property
-    def launcher(self) -> Any:
-        """What starts this strategy's processes; None when this process is the only one, or they exist already."""
+    def processes(self) -> Optional[WorkerProcesses]:
+        """The processes to start for this strategy; None when this process is the only one, or they exist
+        already (torchrun, srun)."""
         return None
 
     # -- set-up ---------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""The errors that end a job with a message that says it all, and how to tell them from a bug.
+
+A user error (bad config, a refused checkpoint, a stopped job, a failed worker's own report, ...) is printed as one
+message; anything else keeps its traceback, as a bug to report.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+
+class JobStopped(RuntimeError):
+    """The job was asked to stop by a signal; its workers saved last.ckpt at a step boundary and exited."""
+
+    def __init__(self, signum: int, run_dir: Path) -> None:
+        self.signum = signum
+        super().__init__(stop_message(signum, run_dir))
+
+
+def stop_message(signum: int, run_dir: Path) -> str:
+    """What a stopped job tells its user: the signal, the step it saved, and how to continue (if it can)."""
+    name = signal.Signals(signum).name if signum else "a signal"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
+    # A stopped run's metrics.json is written after its last.ckpt, at the same step: no checkpoint to read.
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        metrics = {}
+    if not metrics.get("stopped_early"):
+        return f"stopped by {name}; resume with trainer.ckpt_path={last}"
+    return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
+
+
+class WorkerFailed(RuntimeError):
+    """A worker of the job raised or died; the message names the rank and carries its traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(message)
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
+    from hydra.errors import InstantiationException
+
+    from runner.callbacks import CallbackError
+    from runner.checkpoint_io import CheckpointError
+    from runner.config import ConfigError
+    from runner.loop import NonFiniteLossError
+    from runner.run_lock import RunFolderBusy
+    from runner.tasks import BatchError
+
+    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
+             BatchError, CallbackError, RunFolderBusy)
+    return isinstance(error, known)

@@ -1,0 +1,49 @@
+"""What the launcher, each worker's first code (runner.entry) and the worker agree on about processes.
+
+The stop signals and how soon a repeat is the same request, where workers register their pids, how a process
+ends with its parent, whether a pid is alive, and how a rank's error reads when another rank's process went away.
+Standard library only: every process of a launch imports it first, before torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+# The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
+WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
+# SIGHUP too: a closed terminal or SSH session reaches the launcher, which passes it on to the workers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# One Ctrl-C can arrive twice within milliseconds: from the terminal to the whole process group, and again from a
+# wrapper that passes it on (timeout, a shell script, srun). A second one this soon is the same request, not
+# "Ctrl-C twice: stop now, without saving".
+SAME_REQUEST_S = 0.2
+# What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+             "remote process exited")
+
+
+def end_with_parent() -> None:
+    """Linux: SIGTERM this process when its launcher dies, even by SIGKILL, so no orphan keeps training."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown still ends the workers in the usual cases
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
+
+
+def peer_gone(error: BaseException) -> bool:
+    """The error a rank gets when another rank's process went away under a collective: a consequence."""
+    text = f"{type(error).__name__}: {error}".lower()
+    return isinstance(error, (RuntimeError, OSError)) and any(pattern in text for pattern in PEER_GONE)
