@@ -40,7 +40,7 @@ PY = sys.executable
 # The benchmark's job, as runner overrides (the hand-written script's defaults are the same values).
 JOB = ["model.hidden=512", "model.depth=4", "data.num_features=64", "data.num_classes=10", "data.batch_size=64",
        "optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.9"]
-# The `lm` suite's job: the charlm example as it is configured (runner/conf/experiment/charlm.yaml), against
+# The `lm` suite's job: the charlm example as it is configured (conf/experiment/charlm.yaml), against
 # benchmarks/handwritten_lm.py, whose defaults are the same values.
 LM_JOB = ["experiment=charlm"]
 LM_BATCH, LM_BLOCK, LM_MAX_BYTES, LM_VAL_FRACTION = 32, 128, 2_000_000, 0.05

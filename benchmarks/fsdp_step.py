@@ -51,7 +51,7 @@ def job_config(strategy: str = "fsdp"):
 
     register_resolvers()
     register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "runner" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[*JOB, "accelerator=cpu", f"strategy={strategy}", "trainer.devices=2",
                                             "trainer.log_every_n_steps=50", "data.num_samples=8192"])
 

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="optimizer steps to train")
     p.add_argument("--out", type=Path, required=True, help="folder for TensorBoard, loop_start and last.ckpt")
     p.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
-    # runner/conf/experiment/charlm.yaml's values
+    # conf/experiment/charlm.yaml's values
     p.add_argument("--batch-size", type=int, default=32, help="sequences per process")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-bytes", type=int, default=2_000_000)
@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01, help="runner/conf/optimizer/adamw.yaml")
-    p.add_argument("--ignore-index", type=int, default=-100, help="runner/conf/task/language_model.yaml")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="conf/optimizer/adamw.yaml")
+    p.add_argument("--ignore-index", type=int, default=-100, help="conf/task/language_model.yaml")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Where the LM step's time goes: the runner's `Loop._train_step` on experiment=charlm against handwritten_lm.py's step.
 
 compare.py's `lm` suite times whole runs, which a shared machine disturbs by more than the 3 % at stake. This
-script times the same steps in-process, on the experiment's model (runner/conf/experiment/charlm.yaml, composed
+script times the same steps in-process, on the experiment's model (conf/experiment/charlm.yaml, composed
 through the runner's own config groups) and the same batches of its data, alternating the variants:
 
   * bookkeeping (1 process): what the runner's step does beyond forward, backward and the optimizer's
@@ -67,7 +67,7 @@ def lm_config(procs: int):
     register_resolvers()
     register_configs()
     strategy = "ddp" if procs > 1 else "single"
-    with initialize_config_dir(config_dir=str(ROOT / "runner" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=["experiment=charlm", "accelerator=cpu", f"strategy={strategy}",
                                             f"trainer.devices={procs}", "trainer.log_every_n_steps=50"])
 

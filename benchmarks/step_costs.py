@@ -53,7 +53,7 @@ def runner_config(log_every: int = 50):
 
     register_resolvers()
     register_configs()
-    conf = Path(__file__).resolve().parent.parent / "runner" / "conf"
+    conf = Path(__file__).resolve().parent.parent / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose("config", overrides=[*JOB, "accelerator=cpu", "strategy=single", "trainer.devices=1",
                                             f"trainer.log_every_n_steps={log_every}", "data.num_samples=44800"])

@@ -1,8 +1,32 @@
 """runner: a config-driven experiment runner for PyTorch."""
 
+import os
+import sys
+from importlib.util import module_from_spec, spec_from_file_location
 from typing import Any, Sequence
 
 __all__ = ["compose", "fit"]
+
+
+def _map_checkout_folders() -> None:
+    """runner.conf and runner.examples from a source checkout's top-level conf/ and experiments/.
+
+    A wheel carries them inside the package; a checkout keeps them where a Hydra user looks first. Mapped here,
+    a checkout runs its own files however it is reached: from its root, on PYTHONPATH, installed or not.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name, folder in (("conf", "conf"), ("examples", "experiments")):
+        init = os.path.join(os.path.dirname(here), folder, "__init__.py")
+        if os.path.isdir(os.path.join(here, name)) or not os.path.isfile(init) or f"{__name__}.{name}" in sys.modules:
+            continue
+        spec = spec_from_file_location(f"{__name__}.{name}", init, submodule_search_locations=[os.path.dirname(init)])
+        module = module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        globals()[name] = module
+
+
+_map_checkout_folders()
 
 
 def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> Any:

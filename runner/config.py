@@ -158,9 +158,10 @@ def register_configs() -> None:
         store.store(name=f"runner_schema_{name}", node=schema)
 
 
-# The config groups ship inside the package: runner/conf/, `pkg://runner.conf` on Hydra's search path.
+# The config groups: the package runner.conf (`pkg://runner.conf` on Hydra's search path), inside a wheel, and
+# conf/ at the top of a source checkout (see pyproject.toml's package-dir). The folder is wherever that package is.
 CONFIG_MODULE = "runner.conf"
-CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
+CONFIG_DIR = str(Path(importlib.import_module(CONFIG_MODULE).__file__).resolve().parent)
 
 
 def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig:

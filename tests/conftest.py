@@ -18,7 +18,8 @@ from runner import cli
 from runner.config import register_configs, register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "runner" / "conf"
+# The config groups as the repository keeps them (inside a wheel: runner/conf/).
+CONF_DIR = REPO / "conf"
 
 # A run of a few milliseconds per step on one CPU process, small enough for dozens of runs per test file.
 TINY = (

@@ -309,7 +309,7 @@ def test_digits_cnn_learns_digits(digits):
 
 @pytest.mark.parametrize("name", ["charlm", "digits"])
 def test_preset_nodes_are_constructor_arguments(name):
-    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / f"{name}.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "experiment" / f"{name}.yaml")
     assert {"override /model": None} in cfg.defaults and {"override /data": None} in cfg.defaults
     for node in ("model", "data"):
         module, _, attr = cfg[node]._target_.rpartition(".")
@@ -319,7 +319,7 @@ def test_preset_nodes_are_constructor_arguments(name):
 
 
 def test_charlm_preset_is_a_language_model_whose_shapes_agree():
-    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / "charlm.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "experiment" / "charlm.yaml")
     assert {"override /task": "language_model"} in cfg.defaults
     cfg.data.max_bytes = 20_000
     OmegaConf.resolve(cfg)
@@ -334,6 +334,6 @@ def test_charlm_preset_is_a_language_model_whose_shapes_agree():
 
 
 def test_digits_preset_keeps_the_default_task():
-    cfg = OmegaConf.load(REPO / "runner" / "conf" / "experiment" / "digits.yaml")
+    cfg = OmegaConf.load(REPO / "conf" / "experiment" / "digits.yaml")
     assert not any("override /task" in entry for entry in cfg.defaults)
     assert cfg.model.num_classes == DigitsData.num_classes

@@ -142,7 +142,7 @@ def write_primary_config(root: Path) -> None:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     (root / "experiment").mkdir()
-    shutil.copy(REPO / "runner" / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
+    shutil.copy(REPO / "conf" / "experiment" / "shapes.yaml", root / "experiment" / "shapes.yaml")
 
 
 def test_preset_replaces_model_and_data_and_builds(tmp_path):

@@ -1,1 +1,0 @@
-"""Example experiments for runner: model and data code, ready to run."""
