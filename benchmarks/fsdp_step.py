@@ -83,7 +83,7 @@ def hand_step(cfg) -> Callable[[tuple], None]:
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     join_group(rank, port, args.threads)
-    from runner import instantiate as build
+    from runner import build
 
     cfg = job_config("fsdp")
     strategy = build.build_strategy(cfg)

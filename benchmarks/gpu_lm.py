@@ -93,7 +93,7 @@ def lm_config(size: Size, device: str, log_every: int, *extra: str):
 
 def runner_step(cfg) -> tuple[Callable[[tuple], None], object]:
     """`Loop._train_step` and `Loop._after_step` on a Loop built the way runner.worker builds it; and its strategy."""
-    from runner import instantiate as build
+    from runner import build
     from runner.data import train_loader
     from runner.loggers import NullLogger
     from runner.loop import Loop
@@ -216,7 +216,7 @@ def build_variants(args: argparse.Namespace, size: Size) -> tuple[list[Variant],
 
 
 def shared_batches(cfg, count: int) -> list[tuple]:
-    from runner import instantiate as build
+    from runner import build
     from runner.data import train_loader
 
     loader = train_loader(build.build_data(cfg), None, cfg.trainer.seed)
@@ -251,7 +251,7 @@ def time_blocks(variants: list[Variant], batches: list[tuple], args: argparse.Na
 
 
 def flops_per_step(cfg, batch: tuple) -> float:
-    from runner import instantiate as build
+    from runner import build
     from runner.flops import count_flops
     from runner.precision import Precision
     from runner.tasks import TaskModule
@@ -314,7 +314,7 @@ def print_table(args: argparse.Namespace, size: Size, params: int, flops: float,
 
 
 def _meta_model(cfg) -> torch.nn.Module:
-    from runner import instantiate as build
+    from runner import build
 
     with torch.device("meta"):
         return build.build_model(cfg)

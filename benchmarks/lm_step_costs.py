@@ -74,7 +74,7 @@ def lm_config(procs: int):
 
 def runner_loop(cfg, strategy):
     """A `runner.loop.Loop` built the way runner.worker builds it, and its data."""
-    from runner import instantiate as build
+    from runner import build
     from runner.data import train_loader
     from runner.loggers import NullLogger
     from runner.loop import Loop
@@ -299,7 +299,7 @@ def spawn_two(worker: Callable, args: argparse.Namespace) -> list[str]:
 
 def ddp_worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     join_group(rank, port, args.threads)
-    from runner import instantiate as build
+    from runner import build
 
     cfg = lm_config(2)
     strategy = build.build_strategy(cfg)

@@ -49,7 +49,7 @@ def main() -> None:
         timed_import(module)
     from hydra._internal.hydra import Hydra
 
-    from runner import instantiate, job, worker
+    from runner import build, job, worker
     from runner.loop import Loop
 
     for name in ("get_mode", "compose_config", "run"):
@@ -57,7 +57,7 @@ def main() -> None:
     for name in ("validate", "build_strategy", "resolved_config"):
         timed(job, name)
     for name in ("build_model", "build_optimizer", "build_data", "build_logger", "build_scheduler"):
-        timed(instantiate, name)
+        timed(build, name)
     for name in ("configure_logging", "train_loader", "val_loader"):
         timed(worker, name)
     timed(Loop, "_announce")  # starts at the first step

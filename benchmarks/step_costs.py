@@ -61,7 +61,7 @@ def runner_config(log_every: int = 50):
 
 def runner_loop(cfg, logger) -> object:
     """A `runner.loop.Loop` built from the composed config the way runner.worker builds it (one CPU process)."""
-    from runner import instantiate as build
+    from runner import build
     from runner.data import train_loader
     from runner.loop import Loop
     from runner.tasks import TaskModule
@@ -129,7 +129,7 @@ def cycle(loader: DataLoader) -> Callable[[], object]:
 
 
 def data_costs(args: argparse.Namespace, cfg) -> dict[str, float]:
-    from runner import instantiate as build
+    from runner import build
     from runner.data import train_loader
 
     data = build.build_data(cfg)

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     join_group(rank, port, args.threads)
-    from runner import instantiate as build
+    from runner import build
 
     cfg = job_config("ddp")
     strategy = build.build_strategy(cfg)

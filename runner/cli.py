@@ -17,9 +17,9 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
-from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, check_overrides, register_configs,
-                           register_resolvers)
+from runner.config import CONFIG_DIR, CONFIG_MODULE, ConfigError, register_configs, register_resolvers
 
 register_resolvers()
 register_configs()
@@ -237,7 +237,7 @@ def main() -> None:
     # `runner` imports experiment code from the current folder, as `python -m runner` does.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    problems = check_overrides(sys.argv[1:])
+    problems = check_overrides(sys.argv[1:], CONFIG_DIR)
     if problems:
         _report(ConfigError(problems))
         sys.exit(1)

@@ -13,8 +13,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner import run_lock
+from runner.build import build_strategy
+from runner.checks import validate
 from runner.config import ConfigError, make_unique_dir
-from runner.instantiate import build_strategy, validate
 from runner.launch import launcher_for
 from runner.processes import end_with_parent
 
@@ -130,7 +131,7 @@ def _external(strategy: Any) -> bool:
 def check_writable(cfg: DictConfig, run_dir: Path) -> None:
     """The run folder, checkpoints/ and the built-in loggers' folders can take files: found before the workers
     start, not at the first log step or checkpoint. Nothing is created here."""
-    from runner.instantiate import logger_specs
+    from runner.build import logger_specs
 
     folders = [run_dir, run_dir / "checkpoints"]
     for spec in logger_specs(cfg).values():

@@ -1,17 +1,70 @@
-"""Typed schemas of the runner's own config options, registered in Hydra's ConfigStore.
+"""Typed schemas of the primary config and of the runner's own config options, registered in Hydra's ConfigStore.
 
 Each option file names its schema first in its defaults list (`/runner_schema_<name>@_here_`, a name in SCHEMAS), so a
 value of the wrong type fails while Hydra composes, naming the key. A schema describes its class's
 constructor keys; keys added with `+` are checked against the constructor's signature before any worker
-starts (runner.instantiate), since Hydra adds them past any schema.
+starts (runner.checks.signatures), since Hydra adds them past any schema.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
+
+
+@dataclass
+class TrainerConfig:
+    devices: Any = "auto"  # int, -1 or 'auto' (all devices), or a list of device indices
+    num_nodes: int = 1
+    max_epochs: Optional[int] = None  # None: DEFAULT_EPOCHS, or no limit when max_steps is set; -1: no limit
+    max_steps: int = -1  # -1: no limit
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    log_every_n_steps: int = 20
+    val_check_interval: Any = 1.0  # float: fraction of an epoch; int: every N optimizer steps
+    limit_train_batches: Any = 1.0  # float: fraction of the batches; int: number of batches
+    limit_val_batches: Any = 1.0
+    ckpt_every_n_steps: Optional[int] = None
+    ckpt_path: Optional[str] = None  # a file, or 'last'
+    trust_unchecked_checkpoint: bool = False  # load a ckpt_path named explicitly that carries no checksums
+    seed: int = 0
+    deterministic: bool = False
+    fast_dev_run: Any = False  # true: 1 batch of training and validation; an int N: N batches
+    max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
+    skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
+    keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
+    compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
+    peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
+
+
+@dataclass
+class RunnerConfig:
+    """The primary config's schema: `trainer` is typed here, the runner's other groups by their options' schemas
+    (below), the user's groups by their targets' signatures."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: Any = None
+    accelerator: Any = None
+    precision: Any = None
+    checkpoint_io: Any = None
+    cluster: Any = None
+    model: Any = None
+    data: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    task: Any = None
+    callbacks: Any = None  # name -> callback spec (the `callbacks` group's options)
+    metrics: Any = None  # name -> metric spec (or a list of specs)
+    logger: Any = None
+    stage: str = "fit"  # fit, validate, test or predict
+    objective: str = "val/loss"  # the metric a sweep optimises
+    direction: str = "minimize"
+    # Free-form: the user's own keys, which the runner never reads (logged with the other settings).
+    extras: Dict[str, Any] = field(default_factory=dict)
+    tags: List[str] = field(default_factory=list)
+    notes: Optional[str] = None
 
 
 @dataclass

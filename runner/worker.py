@@ -26,7 +26,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner import heartbeat
-from runner import instantiate as build
+from runner import build
 from runner import stages
 from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment

@@ -16,7 +16,8 @@ from _dist import clean_environ, run_cli
 from conftest import TINY, compose_config, load_checkpoint, read_events
 from runner.callbacks import CallbackError
 from runner.config import ConfigError
-from runner.instantiate import build_data, build_model, validate
+from runner.build import build_data, build_model
+from runner.checks import validate
 
 MakeCfg = Callable[..., DictConfig]
 # The default experiment at its own size over-fits after about 3 epochs (val/loss rises from step 192 on).

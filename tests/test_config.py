@@ -15,8 +15,9 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 
 from runner.config import ConfigError, unique_dir
 from runner.data import train_loader
-from runner.instantiate import (build_data, build_logger, build_model, build_optimizer, build_scheduler,
-                                build_strategy, build_task, validate)
+from runner.build import (build_data, build_logger, build_model, build_optimizer, build_scheduler, build_strategy,
+                          build_task)
+from runner.checks import validate
 from runner.loggers import NullLogger
 from runner.precision import Precision
 from runner.tasks import TaskModule
@@ -245,7 +246,7 @@ def test_unique_dir_adds_a_suffix_when_the_folder_exists(tmp_path: Path) -> None
     ],
 )
 def test_training_objects_and_clusters_are_checked_before_any_worker(overrides: list, expected: str) -> None:
-    from runner.instantiate import validate
+    from runner.checks import validate
 
     with pytest.raises(ConfigError) as error:
         validate(compose_config(overrides))

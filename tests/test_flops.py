@@ -12,7 +12,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import runner
-from runner import instantiate as build
+from runner import build
+from runner.checks import validate
 from runner.config import ConfigError
 from runner.examples.charlm import CharTransformer
 from runner.flops import StepFlops, count_flops, meta_twin, peak_tflops, precision_kind
@@ -123,7 +124,7 @@ def test_fsdp_and_compiled_runs_count_what_the_plain_run_counts(make_cfg: MakeCf
 
 def test_peak_tflops_must_be_positive(make_cfg: MakeCfg) -> None:
     with pytest.raises(ConfigError, match=r"trainer.peak_tflops=-1.0 must be a positive number"):
-        build.validate(make_cfg("trainer.peak_tflops=-1"))
+        validate(make_cfg("trainer.peak_tflops=-1"))
 
 
 # -- fused optimizers ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 import runner
 from conftest import load_checkpoint, read_events, scalar_steps
-from runner.instantiate import build_data, build_model
+from runner.build import build_data, build_model
 from runner.loop import NonFiniteLossError
 from runner.models import MLP
 

@@ -14,7 +14,8 @@ from omegaconf import DictConfig
 import runner
 from conftest import load_checkpoint
 from runner.config import ConfigError
-from runner.instantiate import build_data, build_model, validate
+from runner.build import build_data, build_model
+from runner.checks import validate
 
 MakeCfg = Callable[..., DictConfig]
 DDP2 = ("strategy=ddp", "trainer.devices=2")

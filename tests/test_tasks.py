@@ -19,7 +19,8 @@ import runner
 from conftest import TINY, compose_config, load_checkpoint, read_events
 from lm_fixtures import IGNORE, CountingCausalLM, NoLoss, PaddedSequences, TinyCausalLM, VectorLoss
 from runner.config import ConfigError
-from runner.instantiate import build_data, validate
+from runner.build import build_data, build_model
+from runner.checks import validate
 from runner.precision import Precision
 from runner.strategies.strategy import move_to_device
 from runner.tasks import BatchError, ClassificationTask, LanguageModelTask, ModelTask, RegressionTask, TaskModule
@@ -223,9 +224,9 @@ def test_regression_reports_exact_mse_and_mae(make_cfg: MakeCfg, tmp_path: Path,
     cfg = make_cfg("experiment=regression", "data.num_features=8", "data.val_samples=33",
                    *(DDP2 if devices == 2 else ()), f"data.batch_size={16 // devices}")
     metrics = runner.fit(cfg, run_dir=tmp_path)
-    model = runner.instantiate.build_model(cfg)
+    model = build_model(cfg)
     model.load_state_dict(load_checkpoint(tmp_path)["model"])
-    data = runner.instantiate.build_data(cfg).val_dataset
+    data = build_data(cfg).val_dataset
     with torch.no_grad():
         predictions = model(data.inputs)
     assert predictions.shape == data.targets.shape == (33, 1)
@@ -339,9 +340,9 @@ def test_metrics_count_every_validation_sample_once_on_two_processes(make_cfg: M
     assert_same_weights(tmp_path / "two", tmp_path / "one")
     # The reference: the saved model over all 333 samples, computed directly.
     cfg = make_cfg(*common)
-    model = runner.instantiate.build_model(cfg)
+    model = build_model(cfg)
     model.load_state_dict(load_checkpoint(tmp_path / "one")["model"])
-    data = runner.instantiate.build_data(cfg).val_dataset
+    data = build_data(cfg).val_dataset
     with torch.no_grad():
         predicted = model(data.inputs).argmax(dim=1)
     from torchmetrics.functional.classification import multiclass_f1_score

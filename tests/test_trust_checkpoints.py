@@ -20,7 +20,7 @@ from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, manifest, s
 from runner.checkpoint_io.torch_io import CHECKSUM_KEY
 from runner.config import ConfigError
 from runner.export import main as export_main
-from runner.instantiate import validate
+from runner.checks import validate
 from runner.job import resolve_ckpt_path
 from runner.strategies import SingleDeviceStrategy
 

@@ -110,7 +110,7 @@ def test_refused_through_the_command_line(name: str, tmp_path: Path) -> None:
     [*DDP, "strategy.process_group_backend=gloo"],
 ], ids=["cosine", "linear", "warmup-cosine", "tenfold", "one-cycle", "collate-fn", "gloo"])
 def test_sound_settings_pass(overrides: list[str]) -> None:
-    from runner.instantiate import validate
+    from runner.checks import validate
 
     validate(compose_config([*BASE, *overrides]))
 
@@ -122,11 +122,11 @@ def test_a_collate_fn_that_batches_ragged_samples_trains(tmp_path: Path) -> None
 
 
 def test_a_frozen_model_may_still_be_evaluated() -> None:
-    from runner.instantiate import _check_trainable
+    from runner.checks.components import check_trainable
 
     frozen = [*BASE, "model._target_=trust_data.FrozenModel"]
-    assert list(_check_trainable(compose_config([*frozen, "stage=validate"]))) == []
-    assert len(list(_check_trainable(compose_config(frozen)))) == 1
+    assert list(check_trainable(compose_config([*frozen, "stage=validate"]))) == []
+    assert len(list(check_trainable(compose_config(frozen)))) == 1
 
 
 def optimizer(lr: float = 0.1) -> torch.optim.Optimizer:
@@ -163,14 +163,14 @@ def test_a_prefix_of_a_long_run_judges_no_zero_tail() -> None:
 
 def test_a_long_run_is_probed_over_a_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the probed steps nothing is said: a rise at step 7 of 10 goes unseen when 5 are probed."""
-    from runner import instantiate
+    from runner.checks import schedule, validate
 
     cfg = compose_config([*BASE, "scheduler=step", "scheduler.gamma=100", "scheduler.step_size=6",
                           "trainer.max_steps=10"])
     with pytest.raises(ConfigError, match="rises to 0.3 at step 7 of the run's 10"):
-        instantiate.validate(cfg)
-    monkeypatch.setattr(instantiate, "_PROBED_STEPS", 5)
-    instantiate.validate(cfg)
+        validate(cfg)
+    monkeypatch.setattr(schedule, "_PROBED_STEPS", 5)
+    validate(cfg)
 
 
 # -- a YAML error in the user's config folder --------------------------------------------------------------

@@ -1,19 +1,21 @@
-"""A config node's keys against its `_target_`'s signature: unknown keys, and values of the wrong simple type.
+"""Each component's settings against its constructor's signature: unknown keys, and values of the wrong simple type.
 
-Binding, not building: it costs microseconds and imports nothing beyond the target's module. Hydra's `+key`
-adds keys past any schema, so this is what finds `+strategy.timeot=5` or `+model.widht=8`.
+CLI → compose → [validate: these checks, after the plain values] → run folder → launch → worker → build → loop →
+teardown. Binding, not building: it costs microseconds and imports nothing beyond the targets' modules. Hydra's
+`+key` adds keys past any schema, so this is what finds `+strategy.timeot=5` or `+model.widht=8`.
 """
-
 from __future__ import annotations
 
-import difflib
 import inspect
 import typing
 from typing import Any, Iterator, Optional
 
 from hydra.utils import get_method
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
+
+from runner.build import STRATEGY_COMPONENTS, logger_specs
+from runner.values import show, suggest
 
 _EMPTY = inspect.Parameter.empty
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -31,11 +33,6 @@ def parameters(target: Any) -> Optional[dict[str, inspect.Parameter]]:
     except ValueError:  # a builtin without a signature
         return None
     return dict(signature.parameters)
-
-
-def suggest(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, ...] = (),
@@ -74,11 +71,7 @@ def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, .
             continue
         problem = _type_problem(allowed[name], value)
         if problem:
-            yield f"{key}.{name}={_show(node[name])} {problem} ({node._target_})"
-
-
-def _show(value: Any) -> Any:
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            yield f"{key}.{name}={show(node[name])} {problem} ({node._target_})"
 
 
 def _type_problem(param: inspect.Parameter, value: Any) -> Optional[str]:
@@ -127,3 +120,64 @@ def _name(option: Any) -> str:
     if isinstance(option, tuple):
         return "one of " + ", ".join(map(str, option[1]))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[option]
+
+
+def strategy_class(cfg: DictConfig) -> Any:
+    """The class `strategy._target_` names, or None when it names a factory function."""
+    target = get_method(cfg.strategy._target_)
+    return target if inspect.isclass(target) else None
+
+
+def check_signatures(cfg: DictConfig) -> Iterator[str]:
+    """Every group's keys against its target's constructor: `+strategy.timeot=5` fails here, by name."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runner.strategies import DDPStrategy
+
+    chosen = strategy_class(cfg)
+    ddp = DistributedDataParallel if chosen and issubclass(chosen, DDPStrategy) else None
+    # DDPStrategy passes its other keyword arguments to DistributedDataParallel; the module, the devices and
+    # the process group are the strategy's own.
+    yield from check_settings("strategy", _without_ddp_settings(cfg), injected=STRATEGY_COMPONENTS,
+                              kwargs_target=ddp,
+                              kwargs_skip=("module", "device_ids", "output_device", "process_group", "device_mesh"))
+    yield from _ddp_settings_under_fsdp(cfg)
+    for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
+        yield from check_settings(group, cfg[group])
+    yield from check_settings("optimizer", cfg.optimizer, leading=1)  # called with the model's parameters
+    yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
+    for name, spec in logger_specs(cfg).items():
+        yield from check_settings(f"logger.{name}", spec)
+
+
+def is_fsdp(cfg: DictConfig) -> bool:
+    from runner.strategies import FSDPStrategy
+
+    chosen = strategy_class(cfg)
+    return bool(chosen and issubclass(chosen, FSDPStrategy))
+
+
+def _ddp_only_keys(cfg: DictConfig) -> list[str]:
+    """Keys of strategy=fsdp that are DistributedDataParallel's arguments (what strategy=ddp passes on)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not is_fsdp(cfg):
+        return []
+    own = parameters(get_method(cfg.strategy._target_)) or {}
+    ddp = parameters(DistributedDataParallel) or {}
+    return [str(k) for k in cfg.strategy if k not in own and k in ddp]
+
+
+def _without_ddp_settings(cfg: DictConfig) -> DictConfig:
+    keys = _ddp_only_keys(cfg)
+    if not keys:
+        return cfg.strategy
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    return OmegaConf.create({k: v for k, v in node.items() if k not in keys})
+
+
+def _ddp_settings_under_fsdp(cfg: DictConfig) -> Iterator[str]:
+    own = [p for p in (parameters(get_method(cfg.strategy._target_)) or {}) if p not in STRATEGY_COMPONENTS]
+    for key in _ddp_only_keys(cfg):
+        yield (f"strategy.{key}={cfg.strategy[key]} is a setting of DistributedDataParallel (strategy=ddp); "
+               f"strategy=fsdp shards instead of replicating and takes: {', '.join(own)}")

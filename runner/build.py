@@ -1,0 +1,362 @@
+"""The one place a valid config becomes objects (the only caller of hydra.utils.instantiate).
+
+CLI → compose → validate → run folder → launch → worker → [build] → loop → teardown. The checks (runner.checks)
+build trial objects through these functions before any worker starts; this module never imports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import ConfigError
+from runner.values import is_int, one_line
+
+
+def build_accelerator(cfg: DictConfig) -> Any:
+    return instantiate(cfg.accelerator)
+
+
+def build_precision(cfg: DictConfig, accelerator: Any) -> Any:
+    # `device: auto` in the mixed-precision options follows the accelerator (autocast needs its device type).
+    if cfg.precision.get("device") == "auto":
+        return instantiate(cfg.precision, device=accelerator.device_type)
+    return instantiate(cfg.precision)
+
+
+def build_environment(cfg: DictConfig) -> Any:
+    return instantiate(cfg.cluster)
+
+
+def devices_setting(cfg: DictConfig, environment: Any) -> Any:
+    """`trainer.devices`, where `auto` under torchrun or srun means the processes they started per node."""
+    if cfg.trainer.devices == "auto" and environment.creates_processes_externally:
+        return max(1, environment.world_size() // cfg.trainer.num_nodes)
+    return cfg.trainer.devices
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    """accelerator -> precision -> checkpoint IO -> cluster environment -> strategy, as its constructor arguments."""
+    accelerator = build_accelerator(cfg)
+    environment = build_environment(cfg)
+    devices = accelerator.get_parallel_devices(devices_setting(cfg, environment))
+    precision = build_precision(cfg, accelerator)
+    offers = {
+        "accelerator": accelerator,
+        "parallel_devices": devices,
+        "device": devices[0],
+        "cluster_environment": environment,
+        "checkpoint_io": instantiate(cfg.checkpoint_io),
+        "precision": precision,
+        "precision_plugin": precision,
+    }
+    # Each strategy takes the components its constructor names (DP calls precision `precision_plugin`).
+    accepted = inspect.signature(get_method(cfg.strategy._target_)).parameters
+    return instantiate(cfg.strategy, **{k: v for k, v in offers.items() if k in accepted})
+
+
+# What build_strategy offers a strategy itself (the keys of its `offers`): not settings of the `strategy` group.
+STRATEGY_COMPONENTS = ("accelerator", "parallel_devices", "device", "cluster_environment", "checkpoint_io",
+                       "precision", "precision_plugin")
+
+
+def build_model(cfg: DictConfig) -> Any:
+    return instantiate(cfg.model)
+
+
+def build_data(cfg: DictConfig) -> Any:
+    """The data, after checking on the meta device that the model and task take its batches.
+
+    Here, where each process builds its data anyway: checking in the parent would build the data twice.
+    A model that does not fit (an input width other than the data's) fails with the sizes of both.
+    """
+    data = build_unchecked_data(cfg)
+    problem = data_contract(cfg, data) or model_data_mismatch(cfg, data)
+    if problem:
+        raise ConfigError([problem])
+    return data
+
+
+def build_unchecked_data(cfg: DictConfig) -> Any:
+    """The data object as its settings make it, before build_data's checks (the checks' trial build)."""
+    return instantiate(cfg.data)
+
+
+def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
+    """What the data object lacks of what the loop reads from it (README, "Your own model and data")."""
+    what = f"data ({cfg.data._target_})"
+    batch_size = getattr(data, "batch_size", None)
+    if not (is_int(batch_size) and batch_size > 0):
+        return (f"{what} has batch_size={batch_size!r}: a data object needs a positive integer batch_size (per "
+                "process) beside train_dataset")
+    for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
+        dataset = getattr(data, name, None)
+        if dataset is None and name != "train_dataset":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            return (f"{what}.{name} is {type(dataset).__name__}, not a map-style dataset (len() and indexing): "
+                    "each process takes its own samples of it by index, so every sample is seen once")
+    return None
+
+
+def build_task(cfg: DictConfig) -> Any:
+    return instantiate(cfg.task)
+
+
+# Integer settings that are not sizes of a tensor, left out of a size mismatch's message.
+_NOT_SIZES = ("seed", "num_workers", "num_samples", "val_samples", "batch_size")
+
+
+def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
+    """What goes wrong when two samples of the data pass through the model and task on the meta device.
+
+    Shapes only: no memory, no initialisation, and the random number generators are left as they were.
+    None when they fit, or when the model or its operations cannot run on the meta device (the worker then
+    reports its own errors).
+    """
+    from runner.data import collate
+    from runner.precision import Precision
+    from runner.tasks import BatchError, TaskModule
+    from runner.tree import apply_to_tensors
+
+    with torch.random.fork_rng(devices=[]), python_rng_kept():
+        try:
+            dataset = data.train_dataset
+            samples = [dataset[i] for i in range(min(2, len(dataset)))]
+            batch = apply_to_tensors(getattr(data, "collate_fn", collate)(samples), lambda t: t.to("meta"))
+            with torch.device("meta"):
+                model = build_model(cfg)
+            module = TaskModule(model, build_task(cfg), Precision())
+        except Exception:  # noqa: BLE001 - built for real by the worker, which reports its own errors
+            return None
+        if not samples:
+            return None
+        try:
+            with torch.no_grad():
+                module(batch)
+        except TypeError as error:
+            if not re.search(r"forward\(\) (got an unexpected keyword|missing \d+ required)|must be Tensor, not ",
+                             str(error)):
+                return None
+            keys = (f" with the keys {', '.join(map(str, batch))}" if isinstance(batch, dict)
+                    else f" (each a {type(batch).__name__}, which task=model passes to the model whole)"
+                    if not module.task.takes_pairs else "")
+            return (f"model ({cfg.model._target_}) cannot be called on the batches of data ({cfg.data._target_})"
+                    f"{keys}: {one_line(error)}")
+        except (RuntimeError, ValueError, IndexError, BatchError) as error:
+            if "meta" in str(error).lower():  # an operation the meta device cannot run: not a size problem
+                return None
+            return (f"model ({cfg.model._target_}) does not take the batches of data ({cfg.data._target_}): "
+                    f"{one_line(error)}; sizes: {_sizes('model', cfg.model)}; {_sizes('data', cfg.data)}")
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def _sizes(group: str, node: DictConfig) -> str:
+    values = OmegaConf.to_container(node, resolve=True)
+    return ", ".join(f"{group}.{k}={v}" for k, v in values.items()
+                     if is_int(v) and k not in _NOT_SIZES) or f"{group}: no integer settings"
+
+
+@contextlib.contextmanager
+def python_rng_kept() -> Iterator[None]:
+    """`random`'s state put back after a trial build, as torch.random.fork_rng puts back torch's."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+def metric_specs(cfg: DictConfig) -> dict[str, tuple[DictConfig, tuple[str, ...]]]:
+    """`metrics` as {name: (spec without `_stages_`, stages)}; a list takes names from the classes."""
+    from runner.metrics import default_name
+
+    node = cfg.get("metrics")
+    if node is None:
+        return {}
+    items = node.items() if OmegaConf.is_dict(node) else ((default_name(str(m.get("_target_"))), m) for m in node)
+    specs = {}
+    for name, spec in items:
+        spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+        if not isinstance(spec, dict):
+            raise ConfigError([f"metrics.{name}={spec} must be a metric's settings with a _target_"])
+        stages = spec.pop("_stages_", ["val"])
+        stages = [stages] if isinstance(stages, str) else list(stages)
+        if name in specs:
+            raise ConfigError([f"metrics: two metrics are named {name!r}; give them names (a dict, name -> metric)"])
+        specs[str(name)] = (OmegaConf.create(spec), tuple(stages))
+    return specs
+
+
+def monitor_defaults(cfg: DictConfig, spec: DictConfig) -> dict:
+    """An unset `monitor`/`mode` of a callback follows the run's `objective`/`direction`."""
+    defaults = {"monitor": cfg.get("objective", "val/loss"),
+                "mode": "max" if cfg.get("direction") == "maximize" else "min"}
+    return {key: value for key, value in defaults.items() if key in spec and spec[key] is None}
+
+
+def guessed_modes(cfg: DictConfig) -> Iterator[str]:
+    """A callback monitoring another metric than the objective cannot take `direction` as its mode: say which."""
+    node = cfg.get("callbacks")
+    objective = cfg.get("objective", "val/loss")
+    for name, spec in node.items() if OmegaConf.is_dict(node) else ():
+        if (OmegaConf.is_dict(spec) and "mode" in spec and spec.get("mode") is None
+                and spec.get("monitor") not in (None, objective)):
+            yield (f"callbacks.{name}.monitor={spec.monitor} is not the objective ({objective}), so "
+                   f"direction={cfg.get('direction', 'minimize')} says nothing about it: set "
+                   f"callbacks.{name}.mode=max (larger is better) or mode=min")
+
+
+def build_callbacks(cfg: DictConfig) -> Any:
+    """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
+    from runner.callbacks import Callbacks, ObjectiveCheck
+
+    checks = {"objective check": ObjectiveCheck(str(cfg.objective))} if cfg.get("objective") else {}
+    node = cfg.get("callbacks")
+    if node is None:
+        return Callbacks(checks)
+    if not OmegaConf.is_dict(node):
+        raise ConfigError([f"callbacks={node} must select options of the callbacks group, e.g. "
+                           "callbacks=[early_stopping,model_checkpoint], or callbacks=none"])
+    built = dict(checks)
+    for name, spec in node.items():
+        if not OmegaConf.is_dict(spec) or "_target_" not in spec:
+            raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
+                               "group, or +callbacks.<name>._target_=<class>)"])
+        built[str(name)] = instantiate(spec, **monitor_defaults(cfg, spec))
+    problems = list(guessed_modes(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return Callbacks(built)
+
+
+def build_metrics(cfg: DictConfig, strategy: Any) -> Any:
+    from runner.metrics import MetricSet
+
+    return MetricSet({name: (build_metric(spec), stages) for name, (spec, stages) in metric_specs(cfg).items()},
+                     strategy)
+
+
+def build_metric(spec: DictConfig) -> Any:
+    return instantiate(spec)
+
+
+def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
+    """The optimizer over `parameters` (already on their device); AdamW, Adam and SGD run fused on CUDA."""
+    parameters = list(parameters)
+    extra = fused_setting(cfg.optimizer, {t.device.type for t in _tensors(parameters)})
+    if extra:
+        logging.getLogger("runner").info("optimizer: fused=True (every parameter is on CUDA); +optimizer.foreach=true "
+                                         "runs torch's own default, the multi-tensor update, instead")
+    try:
+        return instantiate(cfg.optimizer)(parameters, **extra)
+    except (TypeError, ValueError) as error:  # e.g. lr=-1: a config problem, not a bug
+        raise ConfigError([f"optimizer ({cfg.optimizer._target_}) does not accept its settings: "
+                           f"{one_line(error)}"]) from error
+
+
+# Optimizers whose single fused kernel per step torch offers on CUDA (its default there is the multi-kernel foreach).
+FUSED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+def fused_setting(node: DictConfig, device_types: set[str]) -> dict:
+    """{"fused": True} for AdamW, Adam and SGD (and their subclasses) when every parameter is on CUDA and the
+    config chose neither `fused` nor `foreach` (nor `differentiable`, which fused refuses); else {}."""
+    target = get_method(node._target_)
+    fusable = inspect.isclass(target) and issubclass(target, FUSED_OPTIMIZERS) and _accepts(target, "fused")
+    chosen = any(node.get(key) is not None for key in ("fused", "foreach")) or bool(node.get("differentiable"))
+    return {"fused": True} if fusable and not chosen and device_types == {"cuda"} else {}
+
+
+def _tensors(parameters: list) -> Iterator[torch.Tensor]:
+    """The tensors of a parameter list: tensors, (name, tensor) pairs, or groups {"params": [...]}."""
+    for item in parameters:
+        if isinstance(item, dict):
+            yield from _tensors(list(item.get("params", [])))
+        elif isinstance(item, tuple):
+            yield item[-1]
+        else:
+            yield item
+
+
+def probe_optimizer(node: DictConfig, parameters: list) -> Any:
+    """The optimizer `node` configures, over `parameters`, without importing torch._dynamo; None if not a class.
+
+    Optimizer.add_param_group is wrapped by torch._disable_dynamo, which imports torch._dynamo (~1 s) at its
+    first call. A subclass calling the function underneath runs the same constructor checks (lr=-1 fails)
+    and fills param_groups with every default, in milliseconds.
+    """
+    target = get_method(node._target_)
+    if not (inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)):
+        return None
+    plain = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if plain is not None:
+        target = type(target.__name__, (target,), {"add_param_group": lambda self, group: plain(self, group)})
+    settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not str(k).startswith("_")}
+    return target(parameters, **settings)
+
+
+
+def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: Optional[int] = None) -> Any:
+    """The scheduler for `optimizer`; one that takes `total_steps` and leaves it unset gets the run's count."""
+    try:
+        return instantiate(cfg.scheduler)(optimizer, **_scheduler_extra(cfg, total_steps))
+    except (TypeError, ValueError) as error:
+        raise ConfigError([f"scheduler ({cfg.scheduler._target_}) does not accept its settings: "
+                           f"{one_line(error)}"]) from error
+
+
+def _scheduler_extra(cfg: DictConfig, total_steps: Optional[int]) -> dict:
+    """`total_steps` for a scheduler that takes it and whose config leaves it out."""
+    takes_total = "total_steps" in inspect.signature(get_method(cfg.scheduler._target_)).parameters
+    return {"total_steps": total_steps} if takes_total and "total_steps" not in cfg.scheduler else {}
+
+
+def compile_arguments(cfg: DictConfig) -> Optional[dict]:
+    """`trainer.compile`: None (off), or the keyword arguments for torch.compile (true: its defaults)."""
+    setting = cfg.trainer.get("compile", False)
+    if setting is True:
+        return {}
+    return OmegaConf.to_container(setting, resolve=True) if OmegaConf.is_dict(setting) and setting else None
+
+
+def logger_specs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """`logger` as {name: settings}: one entry per chosen option (`logger=[tensorboard,csv]`), none for `none`."""
+    node = cfg.get("logger")
+    return {str(name): node[name] for name in node} if OmegaConf.is_dict(node) else {}
+
+
+def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
+    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks a logger that does nothing."""
+    from runner.loggers import LoggerSet, NullLogger
+
+    loggers = [build_one_logger(spec, run_dir) for spec in logger_specs(cfg).values()] if enabled else []
+    if not loggers:
+        return NullLogger()
+    return loggers[0] if len(loggers) == 1 else LoggerSet(loggers)
+
+
+def build_one_logger(spec: DictConfig, run_dir: Path) -> Any:
+    # A logger gets the run folder as `root_dir` when its constructor takes one (and its settings do not set it).
+    if "root_dir" not in spec and _accepts(get_method(spec._target_), "root_dir"):
+        return instantiate(spec, root_dir=str(run_dir))
+    return instantiate(spec)
+
+
+def _accepts(target: Any, name: str) -> bool:
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -1,0 +1,52 @@
+"""Every check a config passes before any worker starts, run by the one `validate`.
+
+CLI → compose → [validate] → run folder → launch → worker → build → loop → teardown. Each module holds one
+concern, in the order validate runs them:
+  keys        the config's shape: removed groups, keys no schema has (compose runs these too)
+  static      plain values in range and of their type, every `_target_` importable
+  signatures  each component's settings against its constructor's signature
+  components  devices, backend, precision, a trainable model, compile, the task's settings
+  schedule    the data's contract and first batches, the optimizer and the scheduler over the run's steps
+  callbacks   callbacks, metrics (and top_k), loggers
+  fsdp        strategy=fsdp's settings against the model
+  checkpoint  trainer.ckpt_path against the config
+A new check goes in the module of its concern, and is called from validate here. The checks build trial objects
+through runner.build; runner.build never imports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.checks import static
+from runner.checks.keys import check_keys
+from runner.config import CONFIG_DIR, ConfigError
+
+
+def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
+    """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes."""
+    # Imported here: the command line reads runner.checks.keys at start-up, before torch is needed.
+    from runner.checks import callbacks, checkpoint, components, fsdp, schedule, signatures
+
+    problems = check_keys(cfg, CONFIG_DIR)
+    if problems:  # the checks below read the groups
+        raise ConfigError(problems)
+    problems = [*static.check_trainer(cfg.trainer), *static.check_stage(cfg), *static.check_logger(cfg),
+                *static.check_objective(cfg), *static.check_data(cfg), *static.check_targets(cfg)]
+    if problems:  # the checks below build objects, which needs importable, well-typed settings
+        raise ConfigError(problems)
+    problems += signatures.check_signatures(cfg)
+    if problems:  # building with keys a constructor does not take would only repeat them
+        raise ConfigError(problems)
+    # Each builds what it checks, as the workers will; every problem is reported, in this order.
+    for check in (components.check_components, components.check_half_optimizer, components.check_backend,
+                  components.check_trainable, schedule.check_data_and_schedule, components.check_task,
+                  callbacks.check_top_k, callbacks.check_metrics, callbacks.check_callbacks, callbacks.check_loggers,
+                  components.check_compile, fsdp.check_fsdp):
+        problems += check(cfg)
+    if ckpt_path is not None and not problems:
+        problems += checkpoint.check_checkpoint(cfg, ckpt_path)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,114 @@
+"""A checkpoint to resume or evaluate from against the config: verified, data only, and fitting this run.
+
+CLI → compose → [validate: this check, last, when the config passed every other one] → run folder → launch →
+worker → build → loop → teardown. Nothing of the file is unpickled beyond tensors and plain containers; the
+model and the optimizer it must fit are built on the meta device and over one parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from omegaconf import DictConfig
+
+from runner.build import (build_accelerator, build_environment, build_model, build_task, devices_setting,
+                          probe_optimizer)
+
+
+def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
+    """The checkpoint is the one written (its checksums), holds data only, a possible step, finite weights and
+    this run's task, and fits this config: the model's tensors and the position in the epoch."""
+    from runner.checkpoint_io import CheckpointError
+
+    devices = devices_setting(cfg, build_environment(cfg))
+    processes = len(build_accelerator(cfg).parse_devices(devices)) * cfg.trainer.num_nodes
+    try:
+        checkpoint = _read_checked(cfg, path)
+    except CheckpointError as err:
+        yield f"trainer.ckpt_path={path}: {err}"
+        return
+    missing = [key for key in ("model", "optimizer", "step") if key not in checkpoint]
+    if missing:
+        yield f"trainer.ckpt_path={path} is not a runner checkpoint: it lacks {', '.join(missing)}"
+        return
+    per_step = cfg.data.get("batch_size", 1) * processes * cfg.trainer.accumulate_grad_batches
+    samples = checkpoint.get("samples_in_epoch", 0)
+    if samples % per_step and cfg.get("stage", "fit") == "fit":  # other stages take the weights only
+        # The first step would train on part of a global batch (or skip samples): the data would not continue.
+        yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of this "
+               f"run's global batches (data.batch_size x processes x trainer.accumulate_grad_batches = {per_step}); "
+               f"resume with its global batch ({checkpoint.get('global_batch_size')})")
+    yield from _check_model_fits(cfg, path, checkpoint["model"])
+    yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
+
+
+def _read_checked(cfg: DictConfig, path: Any) -> dict:
+    """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
+    the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
+    from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded, trust
+
+    # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
+    wanted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
+    trusted = wanted and cfg.trainer.ckpt_path not in ("last", "best")
+    try:
+        task = trust.task_name(build_task(cfg))
+    except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
+        task = None
+    try:
+        if sharded.is_sharded(path):
+            checkpoint = sharded.skeleton(path, trusted)
+            trust.check(path, checkpoint, task, nonfinite=sharded.nonfinite_weights(path))
+        else:
+            checkpoint = trust.load_file(TorchCheckpointIO(), path, trusted)
+            trust.check(path, checkpoint, task)
+    except CheckpointError as error:
+        if wanted and not trusted and "checksum" in str(error):
+            raise CheckpointError(f"{error} (trainer.trust_unchecked_checkpoint=true is not taken for "
+                                  f"trainer.ckpt_path={cfg.trainer.ckpt_path}, which may find any run's folder: "
+                                  f"name this one, trainer.ckpt_path={path})") from None
+        raise
+    return checkpoint
+
+
+def _check_optimizer_state(cfg: DictConfig, path: Any, saved: Any) -> Iterator[str]:
+    """The configured optimizer keeps the per-parameter state the checkpoint holds (SGD's is not AdamW's).
+
+    One step of the configured optimizer over one parameter says what it keeps; this imports torch._dynamo,
+    which only a resumed run pays here (and an in-process run pays anyway for its first optimizer).
+    """
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not state:
+        return
+    try:
+        optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
+        if optimizer is None:
+            return
+        (parameter,) = optimizer.param_groups[0]["params"]
+        parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+    except Exception:  # noqa: BLE001 - an optimizer that needs more than this probe is checked when it loads
+        return
+    expected, found = set(optimizer.state[parameter]), set(next(iter(state.values())))
+    if not expected <= found:
+        yield (f"trainer.ckpt_path={path} holds the state of another optimizer: optimizer={cfg.optimizer._target_} "
+               f"keeps {', '.join(sorted(expected))} per parameter, the checkpoint {', '.join(sorted(found))}; "
+               "resume with the optimizer it was saved with")
+
+
+def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            expected = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
+        return
+    found = {k: tuple(v.shape) for k, v in saved.items()}
+    differ = [f"{k} {found[k]} vs {shape}" for k, shape in expected.items() if k in found and found[k] != shape]
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if differ or missing or extra:
+        details = "; ".join(filter(None, [
+            differ and "shapes (checkpoint vs model) " + ", ".join(differ[:3]),
+            missing and "missing " + ", ".join(missing[:3]),
+            extra and "unexpected " + ", ".join(extra[:3]),
+        ]))
+        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}"

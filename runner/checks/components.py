@@ -1,0 +1,145 @@
+"""The components against this machine and each other: devices, backend, precision, a trainable model, compile,
+and the task's settings.
+
+CLI → compose → [validate: these checks, after the signatures] → run folder → launch → worker → build → loop →
+teardown. They build the accelerator, the cluster environment and (on the meta device) the model, as the workers
+will, to find here what would otherwise fail in every worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterator
+
+import torch
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+
+from runner.build import (build_accelerator, build_environment, build_model, build_task, compile_arguments,
+                          devices_setting, python_rng_kept)
+from runner.checks.signatures import strategy_class
+from runner.values import one_line, suggest
+
+
+def check_components(cfg: DictConfig) -> Iterator[str]:
+    from runner.strategies import DataParallelStrategy, SingleDeviceStrategy
+
+    accelerator = build_accelerator(cfg)
+    kind = accelerator.device_type
+    if not accelerator.is_available():
+        yield (f"accelerator={kind} but no {kind.upper()} device is available here; "
+               "use accelerator=cpu or accelerator=auto")
+        return
+    environment = build_environment(cfg)
+    indices = accelerator.parse_devices(devices_setting(cfg, environment))
+    available = accelerator.auto_device_count()
+    if kind != "cpu" and (not indices or max(indices) >= available):
+        yield f"trainer.devices={cfg.trainer.devices} but only {available} {kind.upper()} device(s) are visible"
+        return
+    chosen = strategy_class(cfg)
+    if chosen and issubclass(chosen, SingleDeviceStrategy) and len(indices) > 1:
+        yield (f"trainer.devices={cfg.trainer.devices} needs strategy=ddp or strategy=dp "
+               "(strategy=single runs on one device)")
+    if chosen and issubclass(chosen, DataParallelStrategy) and kind == "cpu" and len(indices) > 1:
+        yield (f"trainer.devices={cfg.trainer.devices} needs accelerator=cuda for strategy=dp "
+               "(DataParallel splits batches over CUDA devices; use strategy=ddp on CPU)")
+    if cfg.precision.get("precision") == "16-mixed" and kind == "cpu":
+        yield ("precision=16-mixed needs accelerator=cuda (float16 autocast with loss scaling is for GPUs); "
+               "on CPU use precision=bf16-mixed")
+    start_method = cfg.strategy.get("start_method")
+    if start_method is not None and start_method not in ("popen", "spawn", "fork"):
+        yield f"strategy.start_method={start_method} is not allowed: use popen, spawn or fork"
+    timeout = cfg.strategy.get("timeout")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        yield f"strategy.timeout={timeout} must be a positive number of seconds"
+    yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
+
+
+def check_backend(cfg: DictConfig) -> Iterator[str]:
+    """strategy.process_group_backend against the accelerator: a backend its devices lack (nccl on CPU) or a
+    misspelt one fails only in the workers, every rank with its own traceback."""
+    backend = cfg.strategy.get("process_group_backend")
+    if backend is None or not torch.distributed.is_available():
+        return
+    accelerator = build_accelerator(cfg)
+    kind = accelerator.device_type
+    if not accelerator.is_available():
+        return  # check_components says so
+    capability = {name: devices for name, devices in torch.distributed.Backend.backend_capability.items()
+                  if name not in ("fake", "undefined")}  # torch's own test stand-in, and the unset marker
+    allowed = [name for name, devices in capability.items()
+               if kind in devices and torch.distributed.is_backend_available(name)]
+    # torch also takes one backend per device type: "cpu:gloo,cuda:nccl".
+    pairs = dict(part.split(":", 1) if ":" in part else (kind, part) for part in str(backend).lower().split(","))
+    name = pairs.get(kind)
+    allowed_text = f"allowed with accelerator={kind}: {', '.join(allowed)}, or null (the device's default)"
+    if name is None:
+        reason = f"names no backend for {kind}"
+    elif name not in capability:
+        reason = f"is not a process group backend{suggest(name, list(capability))}"
+    elif kind not in capability[name]:
+        reason = f"does not run on {kind} ({name} runs on {', '.join(capability[name])})"
+    elif name not in allowed:
+        reason = "is not available in this build of torch"
+    else:
+        return
+    yield f"strategy.process_group_backend={backend} {reason}; {allowed_text}"
+
+
+def check_trainable(cfg: DictConfig) -> Iterator[str]:
+    """A model without a parameter to train (built on the meta device: shapes only, in milliseconds)."""
+    if cfg.get("stage", "fit") != "fit":
+        return  # validating, testing or predicting with a frozen model is fine
+    try:
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            model = build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+        return
+    if not isinstance(model, torch.nn.Module):
+        return
+    parameters = list(model.parameters())
+    if not parameters:
+        yield (f"model ({cfg.model._target_}) has no parameters: the optimizer would get an empty list and "
+               "nothing would train (stage=validate, test or predict run a model without training it)")
+    elif not any(p.requires_grad for p in parameters):
+        yield (f"model ({cfg.model._target_}) has no trainable parameters: all {len(parameters)} have "
+               "requires_grad=False, so the optimizer would change nothing; leave some trainable")
+
+
+def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
+    """float16 rounds an epsilon below ~3e-8 to 0; Adam-style updates then divide by zero and the loss turns NaN."""
+    optimizer = cfg.get("optimizer")
+    if cfg.precision.get("precision") != "16-true" or not OmegaConf.is_dict(optimizer) or "_target_" not in optimizer:
+        return
+    eps = optimizer.get("eps")
+    if eps is None:
+        default = inspect.signature(get_method(optimizer._target_)).parameters.get("eps")
+        eps = default.default if default is not None else None
+    if isinstance(eps, (int, float)) and eps > 0 and torch.tensor(eps, dtype=torch.float16).item() == 0:
+        key = "optimizer.eps" if "eps" in optimizer else "+optimizer.eps"
+        yield (f"precision=16-true with optimizer eps={eps}: float16 rounds it to 0, so the first updates "
+               f"overflow; set {key}=1e-4, or use precision=bf16-true or bf16-mixed")
+
+
+def check_compile(cfg: DictConfig) -> Iterator[str]:
+    from runner.strategies import DataParallelStrategy
+
+    arguments = compile_arguments(cfg)
+    if arguments is None:
+        return
+    try:
+        inspect.signature(torch.compile).bind(None, **arguments)
+    except TypeError as error:
+        allowed = ", ".join(p for p in inspect.signature(torch.compile).parameters if p != "model")
+        yield f"trainer.compile={arguments}: {error} (torch.compile takes {allowed})"
+    chosen = strategy_class(cfg)
+    if chosen and issubclass(chosen, DataParallelStrategy):
+        yield ("trainer.compile needs strategy=single or strategy=ddp: DataParallel copies the module to every "
+               "device at every step, and the copies would run the original's compiled code")
+
+
+def check_task(cfg: DictConfig) -> Iterator[str]:
+    try:
+        build_task(cfg)
+    except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
+        yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {one_line(error)}"

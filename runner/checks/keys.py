@@ -1,0 +1,87 @@
+"""The config's shape: overrides Hydra fails on, required groups removed, keys no schema has.
+
+CLI → [compose: these checks] → validate → run folder → launch → worker → build → loop → teardown. What
+`runner.config.compose` runs (and `validate` first): no imports of targets, no hardware. It reads the schemas and
+the built-in groups' folder it is given, never runner.config, which calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.schemas import RunnerConfig, TrainerConfig
+from runner.values import show, suggest
+
+# Groups every run needs: `~group` or `group=null` would remove one.
+REQUIRED_GROUPS = ("strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data",
+                   "optimizer", "scheduler", "task")
+
+
+def group_options(group: str, groups_dir: str) -> list[str]:
+    """The options of `group` in the built-in config groups' folder (runner.config.CONFIG_DIR)."""
+    folder = Path(groups_dir) / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _field_names(schema: Any) -> list[str]:
+    return [f.name for f in fields(schema)]
+
+
+def _check_groups_set(cfg: DictConfig, groups_dir: str) -> Iterator[str]:
+    for group in REQUIRED_GROUPS:
+        node = cfg.get(group)
+        if node is None:
+            hint = "; scheduler=constant keeps the learning rate constant" if group == "scheduler" else ""
+            yield (f"{group} is not set ({group}=null and ~{group} remove the group): choose {group}=<option> "
+                   f"({', '.join(group_options(group, groups_dir))}){hint}")
+        elif not (OmegaConf.is_dict(node) and "_target_" in node):
+            yield (f"{group}={show(node)} has no _target_: choose {group}=<option> "
+                   f"({', '.join(group_options(group, groups_dir))})")
+
+
+def _check_keys(cfg: DictConfig, groups_dir: str) -> Iterator[str]:
+    """Keys the schemas do not have, which Hydra's `+key=value` adds without a word (and nothing would read)."""
+    top = _field_names(RunnerConfig)
+    trainer = _field_names(TrainerConfig)
+    for key in cfg:
+        if key in top or key == "hydra":  # hydra: a config composed with return_hydra_config=True
+            continue
+        if key in trainer:
+            hint = f" (did you mean trainer.{key}?)"
+        else:
+            hint = suggest(str(key), top)
+        yield (f"{key} is not a top-level key{hint}; allowed: {', '.join(top)} "
+               f"(put keys of your own under extras, e.g. +extras.{key}=...)")
+    node = cfg.get("trainer")
+    for key in node if OmegaConf.is_dict(node) else ():
+        if key in trainer:
+            continue
+        options = group_options(str(key), groups_dir) if key in top else []
+        if options:
+            hint = f" ({key} is a config group: {key}=<option>, one of {', '.join(options)})"
+        else:
+            hint = suggest(str(key), trainer)
+        yield f"trainer.{key} is not a trainer setting{hint}; allowed: {', '.join(trainer)}"
+
+
+def check_overrides(overrides: Sequence[str], groups_dir: str) -> list[str]:
+    """`group=null` on the command line, which Hydra fails on with a traceback; `~group` is its syntax."""
+    problems = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        group = key.lstrip("+~")
+        options = group_options(group, groups_dir) if sep and value.strip() == "null" else []
+        if options:
+            hint = "logger=none logs nothing; " if group == "logger" else ""
+            problems.append(f"{group}=null is not an option of {group}: {hint}choose one of "
+                            f"{', '.join(options)} (~{group} removes the group)")
+    return problems
+
+
+def check_keys(cfg: DictConfig, groups_dir: str) -> list[str]:
+    """Problems of the config's shape: removed groups and keys nothing reads. No imports, no hardware."""
+    return [*_check_groups_set(cfg, groups_dir), *_check_keys(cfg, groups_dir)]
