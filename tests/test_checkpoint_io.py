@@ -384,7 +384,7 @@ def test_metrics_json_is_written_only_once_the_async_checkpoint_of_its_step_is_o
                                                                                       monkeypatch):
     """A process killed right after metrics.json appears must not leave a last.ckpt of an earlier step."""
     import runner
-    from runner import loop
+    from runner.loop import results
 
     write = TorchCheckpointIO.save_checkpoint
 
@@ -393,7 +393,7 @@ def test_metrics_json_is_written_only_once_the_async_checkpoint_of_its_step_is_o
         write(self, checkpoint, path, storage_options)
 
     on_disk_at_write = []
-    write_json = loop._write_json
+    write_json = results._write_json
 
     def recording_write_json(path, data):
         if path.name == "metrics.json":
@@ -402,7 +402,7 @@ def test_metrics_json_is_written_only_once_the_async_checkpoint_of_its_step_is_o
         write_json(path, data)
 
     monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", slow_save)
-    monkeypatch.setattr(loop, "_write_json", recording_write_json)
+    monkeypatch.setattr(results, "_write_json", recording_write_json)
     metrics = runner.fit(make_cfg("checkpoint_io=async", "trainer.max_steps=6", "trainer.ckpt_every_n_steps=2"),
                          run_dir=tmp_path)
     assert metrics["step"] == 6 and on_disk_at_write == [6]

@@ -1,0 +1,212 @@
+"""The fixed training loop: it calls the injected strategy, precision, logger and checkpoint objects, nothing else.
+
+Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; the worker builds the
+objects, a stage (`runner.stages`) calls `run`, `evaluate` or `predict`. Each step: step → log → validate → save.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from runner.callbacks import Callbacks
+from runner.config import ConfigError
+from runner.flops import StepFlops
+from runner.heartbeat import NoHeartbeat
+from runner.loop import results, state
+from runner.loop.progress import Console, announce, fmt, interactive, too_few_batches
+from runner.loop.schedule import Progress, make_schedule
+from runner.loop.step import TrainStep
+from runner.loop.stop import StopVote
+from runner.loop.train_log import TrainLog
+from runner.metrics import MetricSet
+
+log = logging.getLogger("runner")
+
+
+class Loop:
+    """Trains `task` (wrapped by the strategy) until max_steps or max_epochs, validating and checkpointing."""
+
+    heartbeat: Any = NoHeartbeat()  # a launched worker's beats (runner.heartbeat.attach)
+
+    def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
+                 val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], int],
+                 hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None) -> None:
+        self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
+        self.precision = strategy.precision
+        self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
+        self.cfg, self.run_dir, self.hparams = trainer_cfg, run_dir, hparams
+        self.schedule = s = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
+        self.progress = Progress()
+        self.global_batch = train.batch_size * strategy.world_size * s.accumulate
+        self.metrics = metrics or MetricSet({}, strategy)
+        self.callbacks = callbacks or Callbacks()
+        self.stop_vote = StopVote(strategy, stop_requested)
+        self._signalled = 0  # the signal some process got: stop now, skip the final validation
+        self._stop_reason: Optional[str] = None  # a callback asked to end the run (early stopping)
+        self.train_step = TrainStep(strategy, task, wrapped, optimizer, scheduler, self.metrics, train.batch_size,
+                                    s.accumulate, trainer_cfg)
+        self.train_log = TrainLog(self)
+        self.console = Console(s, self.global_batch, strategy.is_global_zero and interactive())
+        self.last_val_step = -1
+        self.periodic: Optional[list[Path]] = None  # the step-N checkpoints on disk or being written
+        self.flops = StepFlops(strategy, task, wrapped, train.batch_size, trainer_cfg.get("peak_tflops"))
+
+    def run(self) -> dict:
+        try:
+            return self._run()
+        except BaseException as error:
+            self.callbacks.call("on_exception", self, error)
+            raise
+
+    def _run(self) -> dict:
+        s, p = self.schedule, self.progress
+        if s.batches_per_epoch < 1:
+            raise ConfigError([too_few_batches(self)])
+        announce(self)
+        self.callbacks.call("on_fit_start", self)
+        self.train_log.tick = time.perf_counter()
+        stopped = False
+        while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
+            self.train.sampler.set_epoch(p.epoch)
+            self.train.sampler.start_batch = p.batch
+            self.task.train()
+            batches = iter(self.train)
+            while p.batch < s.batches_per_epoch and not stopped and p.step < s.max_steps:
+                self.heartbeat.step(p.step)  # the launcher's stall watch sees this process advance
+                window = list(itertools.islice(batches, s.accumulate))  # the micro-batches of one optimizer step
+                if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
+                    p.batch = s.batches_per_epoch
+                    break
+                if self.flops.pending:  # once, on the meta device; its seconds are no step's
+                    self.train_log.tick += self.flops.count(window)
+                p.batch += s.accumulate
+                self.train_step(window)
+                p.step += 1
+                stopped = self._after_step()
+            if p.batch >= s.batches_per_epoch:
+                p.epoch, p.batch = p.epoch + 1, 0
+        return self._finish()
+
+    def _after_step(self) -> bool:
+        """Log, validate and checkpoint when due. Returns True when the run must stop (a signal or a callback)."""
+        s, step, train_log = self.schedule, self.progress.step, self.train_log
+        self._signalled = self.stop_vote()
+        train_log.collect()  # the last log step's sums, reduced while this step trained
+        periodic = step % s.ckpt_every == 0
+        if step % s.log_every == 0 or periodic or self._signalled:
+            train_log.start()
+        validate = step % s.val_every == 0 and not self._signalled
+        if validate or periodic or self._signalled:
+            train_log.collect()  # a step's train line comes before its val line and its checkpoint
+        if validate:
+            self._validate()  # callbacks may ask to stop here
+        stop = self._signalled or self._stop_reason is not None
+        if s.save and (periodic or stop):
+            state.save(self, periodic=periodic)
+        return stop
+
+    def _finish(self) -> dict:
+        self._signalled = self._signalled or self.stop_vote.drain()
+        self.train_log.finish()
+        if not self._signalled:  # a signal stops at once; early stopping has validated this step already
+            self._validate()
+        if self.schedule.save:
+            state.save(self, periodic=False)
+        result = results.fit_result(self.progress, self._signalled, self._stop_reason)
+        self.callbacks.call("on_fit_end", self, result)
+        self.strategy.checkpoint_io.wait()  # metrics.json never names a step whose checkpoint is not on disk
+        if self.strategy.is_global_zero:
+            results.publish(self, result)
+        self.strategy.barrier("finish")
+        return result
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step's checkpoint (every process must ask at the same step)."""
+        self._stop_reason = reason
+
+    def _validate(self) -> None:
+        if self.val is None or self.last_val_step == self.progress.step:
+            return
+        start = time.perf_counter()
+        metrics = self.evaluate("val", self.val, self.schedule.val_batches)
+        self.last_val_step = self.progress.step
+        if metrics:
+            self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+        self.train_log.tick += time.perf_counter() - start  # validation time is not training throughput
+
+    def evaluate(self, prefix: str, loader: Any, limit: float = math.inf) -> dict:
+        """The task's metrics and the `metrics` config's over `loader` (every sample once over the processes),
+        logged as `<prefix>/<name>` at the current step; every process calls it."""
+        start, task, preds = time.perf_counter(), self.task.task, self.metrics.wants("val")
+        self.task.eval()
+        names = task.stat_names
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.strategy.root_device)
+        with torch.no_grad():
+            for index, batch in enumerate(loader):
+                if index >= limit:
+                    break
+                out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
+                sums += out["stats"].sum(dim=0)
+                self.metrics.update("val", out)
+        self.task.train()
+        totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
+        extra = self.metrics.compute("val", prefix)  # every process, even one without a sample
+        if not totals["samples"]:
+            return {}
+        metrics = {**{f"{prefix}/{name}": value for name, value in task.compute(totals).items()}, **extra}
+        self.progress.metrics.update(metrics)
+        self.logger.log_metrics(metrics, self.progress.step)
+        self.console.end()
+        log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, fmt(metrics), totals["samples"],
+                 time.perf_counter() - start)
+        return metrics
+
+    def predict(self, loader: Any) -> list:
+        """The model's predictions for every sample of `loader`, in the data set's order (on rank 0; [] elsewhere).
+
+        Rank r of W predicts samples r, r+W, ...; rank 0 gathers every rank's share and interleaves them.
+        """
+        mine: list[torch.Tensor] = []
+        self.task.eval()
+        module = self.strategy.unwrap(self.wrapped)
+        with torch.no_grad():
+            for batch in loader:
+                mine += [p.cpu() for p in module.predict(self.strategy.batch_to_device(batch)).unbind(0)]
+        self.task.train()
+        shares = [self.strategy.broadcast(mine if rank == self.strategy.global_rank else None, src=rank)
+                  for rank in range(self.strategy.world_size)]
+        if not self.strategy.is_global_zero:
+            return []
+        world = len(shares)
+        return [shares[index % world][index // world] for index in range(sum(len(share) for share in shares))]
+
+    # What the worker, the stages and callbacks call: runner.loop.state and runner.loop.results do the work.
+    def state_dict(self) -> dict:
+        return state.state_dict(self)
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        state.load_state_dict(self, checkpoint)
+
+    def load_weights(self, checkpoint: dict) -> None:
+        state.load_weights(self, checkpoint)
+
+    def write_result(self, result: dict) -> None:
+        results.write_result(self.run_dir, result, self.strategy.is_global_zero)
+
+    def save_checkpoint(self, path: Path, state: Optional[dict] = None) -> None:
+        """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
+        state = self.state_dict() if state is None else state
+        self.callbacks.call("on_save_checkpoint", self, state)
+        self.strategy.save_checkpoint(state, path)
+        self.callbacks.call("on_checkpoint_saved", self, path)
+
+    def remove_checkpoint(self, path: Path) -> None:
+        """Remove one of this run's checkpoint files (rank 0, after the checkpoint IO's pending writes)."""
+        self.strategy.remove_checkpoint(path)

@@ -1,0 +1,49 @@
+"""What a run hands back: its result dict, written to metrics.json (rank 0, atomically) and logged.
+
+Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; the stages
+(`runner.stages`) write their results through the loop, the job reads metrics.json after the workers end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from runner.loop.progress import fmt
+
+log = logging.getLogger("runner")
+
+
+def fit_result(progress: Any, signalled: int, stop_reason: Optional[str]) -> dict:
+    """The end of training: the last metrics, where it stopped, and why when it stopped early."""
+    result = {**progress.metrics, "step": progress.step, "epoch": progress.epoch, "stopped_early": bool(signalled)}
+    if signalled:
+        result["stop_signal"] = signalled
+    if stop_reason is not None:
+        result["stopped_by"] = stop_reason
+        log.info("stopped at step %d by %s", progress.step, stop_reason)
+    return result
+
+
+def publish(loop: Any, result: dict) -> None:
+    """Rank 0 at the end of training: the final metrics with the hyperparameters, metrics.json, the last line."""
+    final = {k: v for k, v in result.items() if isinstance(v, float)}
+    loop.logger.log_hyperparams(loop.hparams, final)
+    _write_json(loop.run_dir / "metrics.json", result)
+    loop.console.end()
+    log.info("done: %s", fmt(result))
+
+
+def write_result(run_dir: Path, result: dict, is_global_zero: bool) -> None:
+    """metrics.json (rank 0)."""
+    if is_global_zero:
+        _write_json(run_dir / "metrics.json", result)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,162 @@
+"""Checkpoint state: what the loop saves (and when its step-N files rotate), and how it resumes from a checkpoint
+or takes only its weights.
+
+Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; the pre-launch checks read
+the file first, the worker loads it through the strategy and hands the dict here; writing goes through the
+strategy's checkpoint IO (`runner.checkpoint_io`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+
+from runner.checkpoint_io.trust import check as check_checkpoint, task_name
+from runner.config import ConfigError
+from runner.loop.schedule import Progress
+from runner.loop.step import NonFiniteLossError
+
+log = logging.getLogger("runner")
+
+
+def state_dict(loop: Any) -> dict:
+    p = loop.progress
+    return {
+        "model": loop.strategy.unwrap(loop.wrapped).model.state_dict(),
+        "optimizer": loop.optimizer.state_dict(),
+        "scheduler": loop.scheduler.state_dict(),
+        "precision": loop.precision.state_dict(),
+        "optimizer_class": type(loop.optimizer).__name__,
+        "task": task_name(loop.task.task),  # a checkpoint of another task is refused by name
+        "step": p.step,
+        "epoch": p.epoch,
+        "samples_in_epoch": p.batch * loop.train.batch_size * loop.strategy.world_size,
+        "global_batch_size": loop.global_batch,
+        "metrics": dict(p.metrics),
+        "rng": _rng_state(),
+        "callbacks": loop.callbacks.state_dict(),
+    }
+
+
+def load_state_dict(loop: Any, checkpoint: dict) -> None:
+    """Resume `loop` where `checkpoint` stopped, with this run's optimizer settings."""
+    # The pre-launch check read the file; this is what every process got (weights: checked there).
+    check_checkpoint(loop.cfg.get("ckpt_path"), checkpoint, task_name(loop.task.task), weights=False)
+    per_batch = loop.train.batch_size * loop.strategy.world_size
+    samples, saved_batch = checkpoint.get("samples_in_epoch", 0), checkpoint.get("global_batch_size")
+    if samples % loop.global_batch:  # the first step would train on part of a batch, or skip samples
+        raise ConfigError([
+            f"trainer.ckpt_path: the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, "
+            f"which is not a whole number of this run's global batches of {loop.global_batch} (data.batch_size "
+            f"{loop.train.batch_size} x {loop.strategy.world_size} process(es) x trainer.accumulate_grad_batches "
+            f"{loop.schedule.accumulate}); resume with the checkpoint's global batch ({saved_batch})"
+        ])
+    if saved_batch is not None and saved_batch != loop.global_batch:
+        log.warning("resuming a run trained with a global batch of %d with one of %d: the data continues "
+                    "where it stopped, but each step now averages over %d samples", saved_batch,
+                    loop.global_batch, loop.global_batch)
+    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    configured = [dict(group, params=None) for group in loop.optimizer.param_groups]  # this run's settings
+    base_lrs = list(getattr(loop.scheduler, "base_lrs", [g["lr"] for g in configured]))
+    _check_same_optimizer(loop.optimizer, checkpoint)
+    loop.optimizer.load_state_dict(checkpoint["optimizer"])
+    loop.scheduler.load_state_dict(checkpoint["scheduler"])
+    _apply_settings(loop.optimizer, loop.scheduler, configured, base_lrs)
+    loop.precision.load_state_dict(checkpoint.get("precision", {}))
+    loop.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
+                             dict(checkpoint.get("metrics", {})))
+    _set_rng_state(checkpoint["rng"])
+    loop.callbacks.load_state_dict(checkpoint.get("callbacks", {}))
+    loop.logger.resume_at(checkpoint["step"] + 1)
+    loop.last_val_step = -1
+
+
+def load_weights(loop: Any, checkpoint: dict) -> None:
+    """The model's weights and step from a checkpoint, for evaluating or predicting (no training state)."""
+    check_checkpoint(loop.cfg.get("ckpt_path"), checkpoint, task_name(loop.task.task), weights=False)
+    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    loop.progress.step, loop.progress.epoch = checkpoint["step"], checkpoint["epoch"]
+
+
+def save(loop: Any, periodic: bool) -> None:
+    """last.ckpt, and with `periodic` step-N.ckpt too, the oldest removed beyond trainer.keep_last_k."""
+    _check_finite_weights(loop)
+    folder = loop.run_dir / "checkpoints"
+    state = loop.state_dict()
+    if periodic:
+        new = folder / f"step-{loop.progress.step:06d}.ckpt"
+        loop.save_checkpoint(new, state)
+        keep = loop.cfg.get("keep_last_k")
+        # Counted here, not listed from the disk, where a background write may not have landed yet.
+        if loop.periodic is None:
+            loop.periodic = list(folder.glob("step-*.ckpt"))
+        loop.periodic = sorted({*loop.periodic, new})
+        for old in loop.periodic[:-keep] if keep else ():
+            loop.remove_checkpoint(old)  # the run's own periodic files, oldest first
+        loop.periodic = loop.periodic[-keep:] if keep else loop.periodic
+    loop.save_checkpoint(folder / "last.ckpt", state)
+
+
+def _check_finite_weights(loop: Any) -> None:
+    """No checkpoint holds a NaN or inf weight: a non-finite gradient (or clipping value) can leave the loss
+    finite for a step, and a stop signal saves before the next log step checks it."""
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in loop.task.parameters()]
+    finite = bool(torch.stack([torch.isfinite(t).all() for t in local]).all()) if local else True
+    if not loop.strategy.reduce_boolean_decision(finite, all=True):
+        last = loop.run_dir / "checkpoints" / "last.ckpt"
+        where = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved yet"
+        raise NonFiniteLossError(f"the weights became NaN or infinite by step {loop.progress.step}; they are "
+                                 f"not saved, and {where}")
+
+
+def _check_same_optimizer(optimizer: Any, checkpoint: dict) -> None:
+    """A checkpoint of another optimizer would load and fail at its first step (a missing hyperparameter)."""
+    saved_groups = checkpoint["optimizer"].get("param_groups") or [{}]
+    saved, mine = set(saved_groups[0]) - {"params", "initial_lr"}, set(optimizer.param_groups[0]) - {"params",
+                                                                                                 "initial_lr"}
+    if saved != mine or len(saved_groups) != len(optimizer.param_groups):
+        name = checkpoint.get("optimizer_class", "another optimizer")
+        raise ConfigError([f"trainer.ckpt_path: the checkpoint holds the state of {name} (settings "
+                           f"{', '.join(sorted(saved))}), not of this run's {type(optimizer).__name__} "
+                           f"({', '.join(sorted(mine))}); resume with the optimizer it was trained with"])
+
+
+def _apply_settings(optimizer: Any, scheduler: Any, configured: list[dict], base_lrs: list[float]) -> None:
+    """A resumed run follows this run's optimizer settings: a new lr rescales the schedule, other keys are set."""
+    changes = []
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, configured)):
+        saved_base = scheduler.base_lrs[index] if hasattr(scheduler, "base_lrs") else group["lr"]
+        if base_lrs[index] != saved_base:
+            changes.append(f"lr {saved_base:g} -> {base_lrs[index]:g}")
+            group["lr"] *= base_lrs[index] / saved_base if saved_base else 1.0
+            group["initial_lr"] = base_lrs[index]
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs[index] = base_lrs[index]
+        for key, value in settings.items():
+            if key not in ("params", "lr", "initial_lr") and group.get(key) != value:
+                changes.append(f"{key} {group.get(key)} -> {value}")
+                group[key] = value
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if changes:
+        log.warning("resumed with this run's optimizer settings, not the checkpoint's: %s", "; ".join(
+            dict.fromkeys(changes)))
+
+
+def _rng_state() -> dict:
+    version, state, gauss = random.getstate()
+    rng = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,114 @@
+"""One optimizer step: the micro-batches of an accumulation window forward and backward, weighted so the step
+follows the mean over the global batch, clipped, guarded against non-finite values, then the optimizer and
+scheduler steps.
+
+Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; the loop calls the step
+once per optimizer step and reads its summed statistics at log steps (`runner.loop.train_log`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from runner.tasks.base import StepWeights
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class NonFiniteGuard:
+    """`trainer.skip_nonfinite_loss`: drop micro-batches whose loss was NaN/inf on any process, and skip
+    the optimizer step they belong to.
+
+    Enabled, it costs one tiny all-reduce and host sync per micro-batch; disabled, it does nothing per
+    step, and a non-finite loss stops the run just after the next log step (a NaN poisons the loss sum).
+    """
+
+    def __init__(self, strategy: Any, enabled: bool, gradients: bool = True) -> None:
+        self.strategy, self.enabled, self.skipped = strategy, enabled, 0
+        self.gradients = gradients  # False when the precision skips such steps itself (a loss scaler)
+        self._window_bad = False
+
+    def check(self, loss: torch.Tensor) -> bool:
+        """True when this micro-batch's loss is not finite on some process (always False when disabled)."""
+        if not self.enabled:
+            return False
+        flag = (~torch.isfinite(loss.detach())).double()
+        bad = bool(self.strategy.all_reduce(flag, reduce_op="sum") > 0)
+        self._window_bad |= bad
+        return bad
+
+    def skip_step(self) -> bool:
+        """True when the accumulation window that just ended held a non-finite loss."""
+        bad, self._window_bad = self._window_bad, False
+        self.skipped += bad
+        return bad
+
+    def skip_gradients(self, parameters: Any) -> bool:
+        """True when a gradient is NaN/inf on some process though the losses were finite: the step is skipped."""
+        if not (self.enabled and self.gradients):
+            return False
+        grads = [getattr(p.grad, "to_local", lambda g=p.grad: g)() for p in parameters if p.grad is not None]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        bad = bool(self.strategy.all_reduce((~finite).double(), reduce_op="sum") > 0)
+        self.skipped += bad
+        return bad
+
+
+class TrainStep:
+    """Calling it with the micro-batches of one optimizer step trains on them; the task's statistics add up in
+    `sums` (on the device, no host sync) until the log step that reduces them."""
+
+    def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, metrics: Any,
+                 batch_size: int, accumulate: int, trainer_cfg: Any) -> None:
+        self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
+        self.precision = strategy.precision
+        self.optimizer, self.scheduler, self.metrics = optimizer, scheduler, metrics
+        self.weights = StepWeights(task.task, strategy, batch_size, accumulate)
+        self.clip = trainer_cfg.gradient_clip_val  # read once: a DictConfig look-up per step costs
+        self.guard = NonFiniteGuard(strategy, bool(trainer_cfg.get("skip_nonfinite_loss", False)),
+                                    gradients=not self.precision.skips_nonfinite_steps)
+        self.sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step
+        self.names: tuple[str, ...] = ()
+
+    def __call__(self, window: list) -> None:
+        """Forward and backward each micro-batch of one optimizer step (gradients synced on the last), then step.
+
+        Each micro-batch's loss is a sum over its units; `weights` scales it so that the step follows the
+        mean over every unit of the global batch, whatever its split over processes and micro-batches.
+        """
+        scale, stats, last = self.weights.start(window), [], len(window) - 1
+        for index, batch in enumerate(window):
+            with self.strategy.backward_sync(self.wrapped, enabled=index == last):
+                out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch),
+                                                  self.metrics.wants("train"))
+                loss = self.task.batch_loss(out)
+                self.precision.backward(loss * scale())
+            if not self.guard.check(loss):
+                self.accumulate(out)
+                self.metrics.update("train", out)
+            stats.append(out["stats"])
+        if not self.guard.skip_step():
+            self.precision.unscale_gradients(self.optimizer)
+            self.weights.finish(self.task.parameters(), stats)
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
+            if not self.guard.skip_gradients(self.task.parameters()):
+                self.precision.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def buffer(self) -> torch.Tensor:
+        """The task's statistics summed since the last log step (made at the first use, once the task knows
+        its columns)."""
+        if self.sums is None:
+            self.names = self.task.task.stat_names
+            self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=self.strategy.root_device)
+        return self.sums
+
+    def accumulate(self, out: dict) -> None:
+        """Add a micro-batch's sums on the device: no host sync until the next log step."""
+        self.buffer().add_(out["stats"].sum(dim=0))
