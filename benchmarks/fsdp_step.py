@@ -6,7 +6,7 @@ same two spawned processes on the benchmark's job (compare.py's JOB: MLP 64 -> 4
 momentum, batch 64 per process), each model sharded as strategy=fsdp shards it by default (every Linear, then
 the whole model), over the same batches:
 
-  * runner: `Loop._train_step([batch])` of a Loop built as runner.worker builds it under FSDPStrategy;
+  * runner: `Loop.train_step([batch])` of a Loop built as runner.worker builds it under FSDPStrategy;
   * hand-written: handwritten.py's step (forward, cross-entropy, backward, SGD step, zero_grad) on a
     `fully_shard`-ed `nn.Sequential` with the same layers.
 

@@ -7,7 +7,7 @@ device synchronisations; rounds alternate which variant goes first, and the warm
 
   * hand-written: handwritten_lm.py's step (forward, per-token loss sum, backward of loss * world / count, AdamW
     with torch's defaults, the loss sums kept on the device and read every `--log-every` steps), autocast for bf16;
-  * runner: `Loop._train_step` and `Loop._after_step` built as runner.worker builds them, with the config's
+  * runner: `Loop.train_step` and `Loop._after_step` built as runner.worker builds them, with the config's
     defaults (on CUDA: fused AdamW, TF32 matmuls for 32-true);
   * runner, torch defaults: the same with `precision.tf32=false +optimizer.foreach=true` (what the hand-written
     loop gets from torch on CUDA), so the ratio to it is the loop's own cost;
@@ -92,7 +92,7 @@ def lm_config(size: Size, device: str, log_every: int, *extra: str):
 
 
 def runner_step(cfg) -> tuple[Callable[[tuple], None], object]:
-    """`Loop._train_step` and `Loop._after_step` on a Loop built the way runner.worker builds it; and its strategy."""
+    """`Loop.train_step` and `Loop._after_step` on a Loop built the way runner.worker builds it; and its strategy."""
     from runner import build
     from runner.data import train_loader
     from runner.loggers import NullLogger
@@ -115,10 +115,11 @@ def runner_step(cfg) -> tuple[Callable[[tuple], None], object]:
     loader = train_loader(build.build_data(cfg), strategy.distributed_sampler_kwargs, cfg.trainer.seed)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, 10**9), loader, None,
                 NullLogger(), cfg.trainer, Path(tempfile.mkdtemp()), lambda: 0, {})
-    loop._tick = time.perf_counter()
+    loop.train_log.tick = time.perf_counter()
 
     def step(batch: tuple) -> None:
-        loop._train_step([batch])
+        loop.train_step([batch])
+        loop.progress.step += 1  # as Loop._run counts it
         loop._after_step()
 
     return step, strategy

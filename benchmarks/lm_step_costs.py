@@ -1,4 +1,4 @@
-"""Where the LM step's time goes: the runner's `Loop._train_step` on experiment=charlm against handwritten_lm.py's step.
+"""Where the LM step's time goes: the runner's `Loop.train_step` on experiment=charlm against handwritten_lm.py's step.
 
 compare.py's `lm` suite times whole runs, which a shared machine disturbs by more than the 3 % at stake. This
 script times the same steps in-process, on the experiment's model (conf/experiment/charlm.yaml, composed
@@ -6,13 +6,13 @@ through the runner's own config groups) and the same batches of its data, altern
 
   * bookkeeping (1 process): what the runner's step does beyond forward, backward and the optimizer's
     arithmetic. First both whole steps on a tiny model (embedding 256 x 8, linear 8 -> 256) and a (2, 8)
-    batch, so that what remains is the loop's own work: `Loop._train_step` (the task module, StepWeights,
+    batch, so that what remains is the loop's own work: `Loop.train_step` (the task module, StepWeights,
     stats, sums, scheduler) against handwritten_lm.py's step. Then the runner's pieces one at a time on the
     experiment's (32, 128) batch: `LanguageModelTask.units`, `StepWeights.start` (the token count,
     `torch.full`, `start_all_reduce`), `scale()` and the loss times it, the token count and `stats_row` of
-    `LanguageModelTask.score`, `Loop._accumulate`, `scheduler.step`; and the hand-written count and
+    `LanguageModelTask.score`, `TrainStep.accumulate`, `scheduler.step`; and the hand-written count and
     `TrainMeter.update` beside them. Microseconds per call, thread CPU time;
-  * step (1 process): `Loop._train_step([batch])` against handwritten_lm.py's step (forward, loss,
+  * step (1 process): `Loop.train_step([batch])` against handwritten_lm.py's step (forward, loss,
     backward, AdamW step, zero_grad, sums), in blocks of `--steps` steps, rounds alternating which goes
     first; thread CPU time and wall time per step, and per round the ratio runner / hand;
   * step (2 gloo processes, DDP): the same two steps in two spawned processes; the runner's with the token
@@ -90,7 +90,7 @@ def runner_loop(cfg, strategy):
     loader = train_loader(data, strategy.distributed_sampler_kwargs, cfg.trainer.seed)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer), loader, None,
                 NullLogger(), cfg.trainer, Path(tempfile.mkdtemp()), lambda: False, {})
-    loop._tick = time.perf_counter()
+    loop.train_log.tick = time.perf_counter()
     return loop, loader
 
 
@@ -183,7 +183,7 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
     (2, 8) batch, then the runner's own pieces one by one on the experiment's (32, 128) batch."""
     from runner.data import Batch
     from runner.strategies import SingleDeviceStrategy
-    from runner.tasks import StepWeights
+    from runner.loop import TrainStep
     from runner.tasks.base import split_batch, stats_row
 
     # scheduler.step is timed alone below, without optimizer steps, which torch warns about.
@@ -196,7 +196,8 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
     loop.task = loop.wrapped = TaskModule(model, loop.task.task, loop.precision)
     loop.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     loop.scheduler = torch.optim.lr_scheduler.ConstantLR(loop.optimizer, factor=1.0, total_iters=0)
-    loop.weights = StepWeights(loop.task.task, loop.strategy, loader.batch_size, 1)
+    loop.train_step = TrainStep(loop.strategy, loop.task, loop.wrapped, loop.optimizer, loop.scheduler, loop.metrics,
+                                loader.batch_size, 1, cfg.trainer)
     hand_model = tiny_model()
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     meter = TrainMeter(torch.device("cpu"), 1, None)
@@ -213,7 +214,7 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
         hand_opt.zero_grad(set_to_none=True)
         meter.update(len(y), tokens, loss_sum)
 
-    variants = {"tiny-model step: hand-written": hand, "tiny-model step: runner Loop._train_step": lambda: loop._train_step([tiny])}
+    variants = {"tiny-model step: hand-written": hand, "tiny-model step: runner Loop.train_step": lambda: loop.train_step([tiny])}
     rows = summary(alternate(variants, args.rounds, args.calls // 4, {"CPU": time.thread_time})["CPU"], 1e6,
                    "thread CPU, us")
 
@@ -221,7 +222,7 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
     full, _ = runner_loop(cfg, SingleDeviceStrategy())
     batch = batches(loader, 1)[0]
     y = batch[1]
-    task, weights = full.task.task, full.weights
+    task, weights = full.task.task, full.train_step.weights
     leaf = torch.tensor(3.0, requires_grad=True)
     loss = leaf * 1.0  # a non-leaf scalar, as the cross-entropy sum is
     out = {"stats": stats_row(len(y), (y != IGNORE).sum(), loss)}
@@ -233,7 +234,7 @@ def bookkeeping(args: argparse.Namespace, cfg) -> list[str]:
         "piece: scale() and loss * scale": lambda: loss * scale(),
         "piece: split_batch": lambda: split_batch(batch, "labels", "language_model"),
         "piece: token count in score + stats_row": lambda: stats_row(len(y), (y.reshape(-1) != IGNORE).sum(), loss),
-        "piece: Loop._accumulate": lambda: full._accumulate(out),
+        "piece: TrainStep.accumulate": lambda: full.train_step.accumulate(out),
         "piece: hand-written TrainMeter.update": lambda: meter.update(len(y), out["stats"][0, 1], loss),
         "piece: scheduler.step (ConstantLR)": full.scheduler.step,
     }
@@ -253,7 +254,7 @@ def step_variants(label: str, hand: Callable[[tuple], None], loop, data: list) -
         return call
 
     return {f"step, {label}: hand-written": feed("hand", hand),
-            f"step, {label}: runner Loop._train_step": feed("runner", lambda b: loop._train_step([b]))}
+            f"step, {label}: runner Loop.train_step": feed("runner", lambda b: loop.train_step([b]))}
 
 
 def step_one(args: argparse.Namespace, cfg) -> list[str]:

@@ -6,7 +6,7 @@ variants in blocks of steps (A B C A B C ...) and reporting the median per step:
 
   * data: one batch from the runner's loader (`runner.data.train_loader`) against DataLoader(TensorDataset)
     with a DistributedSampler, as benchmarks/handwritten.py fetches it (CPU time of this thread);
-  * step: `Loop._train_step` (forward, backward, optimizer, scheduler, metric sums) against the
+  * step: `Loop.train_step` (forward, backward, optimizer, scheduler, metric sums) against the
     hand-written step of handwritten.py (CPU time of this thread);
   * logging: the loop's step alone, with `Loop._log_train` after every step to a logger that does
     nothing, and to TensorBoard (wall time, and the CPU time of all the process's threads, which also
@@ -74,7 +74,7 @@ def runner_loop(cfg, logger) -> object:
     loader = train_loader(build.build_data(cfg), None, cfg.trainer.seed)
     loop = Loop(strategy, task, task, optimizer, build.build_scheduler(cfg, optimizer), loader, None, logger,
                 cfg.trainer, Path(tempfile.mkdtemp()), lambda: False, {})
-    loop._tick = time.perf_counter()
+    loop.train_log.tick = time.perf_counter()
     return loop
 
 
@@ -146,7 +146,7 @@ def step_costs(args: argparse.Namespace, cfg, batch: tuple) -> dict[str, float]:
 
     loop, hand = runner_loop(cfg, NullLogger()), hand_step(args)
     variants = {"step: hand-written": lambda: hand(*batch),
-                "step: runner Loop._train_step": lambda: loop._train_step([batch])}
+                "step: runner Loop.train_step": lambda: loop.train_step([batch])}
     return alternate(variants, args, time.thread_time)
 
 
@@ -158,9 +158,9 @@ def logging_costs(args: argparse.Namespace, batch: tuple) -> tuple[dict[str, flo
                           (NullLogger(), NullLogger(), TensorBoardLogger(tempfile.mkdtemp())))
 
     def logged(loop) -> Callable[[], None]:
-        return lambda: (loop._train_step([batch]), loop._log_train())
+        return lambda: (loop.train_step([batch]), loop._log_train())
 
-    variants = {"loop step, no log": lambda: plain._train_step([batch]),
+    variants = {"loop step, no log": lambda: plain.train_step([batch]),
                 "loop step + log, NullLogger": logged(null), "loop step + log, TensorBoard": logged(board)}
     # Wall time sees what the training thread waits for; process CPU time also counts any writer thread.
     result = {f"{name} (wall)": seconds for name, seconds in alternate(variants, args, time.perf_counter).items()}

@@ -5,7 +5,7 @@ and reads the one the previous step started, so that a signal stops every rank w
 benchmark's job (compare.py's JOB) trains under `strategy=ddp` on 2 CPU processes, and blocks of `--steps`
 calls of each variant alternate, the order rotating each round:
 
-  * step: `Loop._train_step([batch])`, what a step costs without the vote;
+  * step: `Loop.train_step([batch])`, what a step costs without the vote;
   * step + vote: the same, then `Loop.stop_vote()`, as `Loop._after_step` calls it every step.
 
     OMP_NUM_THREADS=1 python benchmarks/stop_vote.py --rounds 40 --steps 20
@@ -45,7 +45,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     cursor = [0]
 
     def step() -> None:
-        loop._train_step([data[cursor[0] % len(data)]])
+        loop.train_step([data[cursor[0] % len(data)]])
         cursor[0] += 1
 
     def step_and_vote() -> None:
