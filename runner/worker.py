@@ -32,7 +32,7 @@ from runner.data import train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.logs import apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
-from runner.tracking import flatten
+from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
 from runner.tasks import TaskModule
 

@@ -209,3 +209,14 @@ def test_an_editable_install_reads_conf_and_experiments_in_place(editable: Insta
         assert result.returncode == 0, result.stderr
         assert json.loads((run_dir / "metrics.json").read_text())["step"] == 2  # the edited default
         assert "runner.examples.probe.Probe" in (run_dir / ".hydra" / "config.yaml").read_text()
+
+
+def test_pyproject_lists_every_package_of_the_runner() -> None:
+    """The package list is explicit (conf/ and experiments/ are mapped into the package): a new subpackage of
+    runner/ missing from it would be left out of every wheel, with the checkout still working. Read without a
+    build, so that this fails in a second."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "runner").rglob("__init__.py")
+               if "__pycache__" not in p.parts}
+    assert on_disk - listed == set()

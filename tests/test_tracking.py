@@ -145,8 +145,8 @@ def test_long_params_are_cut_with_a_marker(tmp_path: Path, mlflow_server: str) -
     from mlflow.tracking import MlflowClient
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-    from runner.loggers_mlflow import MLflowLogger
-    from runner.tracking import CUT_MARKER
+    from runner.loggers.mlflow import MLflowLogger
+    from runner.loggers.tracking import CUT_MARKER
 
     (tmp_path / ".hydra").mkdir()
     long = "x" * (MAX_PARAM_VAL_LENGTH + 100)
@@ -163,7 +163,7 @@ def test_long_params_are_cut_with_a_marker(tmp_path: Path, mlflow_server: str) -
 def test_a_resumed_attempt_continues_the_run_and_its_values_are_the_latest(tmp_path: Path, mlflow_server: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    from runner.loggers_mlflow import MLflowLogger
+    from runner.loggers.mlflow import MLflowLogger
 
     first = MLflowLogger(str(tmp_path), tracking_uri=mlflow_server, experiment_name="resume")
     for step in (1, 2, 3):  # killed after step 3; its checkpoint was at step 1
@@ -183,7 +183,7 @@ def test_a_resumed_attempt_continues_the_run_and_its_values_are_the_latest(tmp_p
 def test_a_server_that_goes_down_is_one_warning_with_fail_on_error_false(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("mlflow")
-    from runner.loggers_mlflow import MLflowLogger
+    from runner.loggers.mlflow import MLflowLogger
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     down = f"http://127.0.0.1:{free_port()}"

@@ -27,7 +27,7 @@ def test_unusable_store_is_one_line_before_training(tmp_path: Path, uri: str) ->
 def test_saved_run_of_another_experiment_is_not_continued(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from runner.loggers_mlflow import MLflowLogger
+    from runner.loggers.mlflow import MLflowLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
@@ -46,7 +46,7 @@ def test_saved_run_of_another_experiment_is_not_continued(tmp_path: Path) -> Non
 def test_wandb_finalize_does_not_init_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import wandb
 
-    from runner.loggers_wandb import WandbLogger
+    from runner.loggers.wandb import WandbLogger
 
     calls = []
 
@@ -76,14 +76,14 @@ def _job_folder(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("uri", ["sqlite:///", "sqlite:///:memory:", "sqlite://"])
 def test_an_in_memory_database_is_refused(tmp_path: Path, uri: str) -> None:
-    from runner.loggers_mlflow import MLflowLogger
+    from runner.loggers.mlflow import MLflowLogger
 
     problems = MLflowLogger(str(_job_folder(tmp_path)), tracking_uri=uri).check_service()
     assert len(problems) == 1 and "in-memory database is lost" in problems[0]
 
 
 def test_wandb_online_without_a_key_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runner.loggers_wandb import WandbLogger
+    from runner.loggers.wandb import WandbLogger
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
@@ -99,7 +99,7 @@ def test_requests_to_a_hung_server_are_bounded_below_the_stall_watch(tmp_path: P
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
 
-    from runner.loggers_mlflow import MLflowLogger
+    from runner.loggers.mlflow import MLflowLogger
 
     for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
         monkeypatch.delenv(name, raising=False)

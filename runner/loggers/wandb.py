@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from runner.tracking import read_job, read_saved_run, read_settings, save_run
+from runner.loggers.tracking import read_job, read_saved_run, read_settings, save_run
 
 log = logging.getLogger("runner")
 RUN_RECORD = "wandb_run.json"

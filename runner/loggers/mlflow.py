@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 from urllib.parse import urlparse
 
-from runner.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
+from runner.loggers.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
 
 log = logging.getLogger("runner")
 RUN_RECORD = "mlflow_run.json"
