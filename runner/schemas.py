@@ -37,6 +37,7 @@ class TrainerConfig:
     keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
     compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
     peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
+    progress_bar: Any = "auto"  # auto: a bar when the console is a terminal; true: always; false: never
 
 
 @dataclass
