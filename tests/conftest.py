@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -79,6 +82,47 @@ def _no_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in os.environ:
         if key in LAUNCHER_VARIABLES or key.startswith(("TORCHELASTIC_", "SLURM_")):
             monkeypatch.delenv(key)
+
+
+# Every process a test starts, with whether it leads a process group of its own (start_new_session): such a job
+# (a run, a sweep, torchrun) does not get the terminal's Ctrl-C, and its workers would train on after the test.
+_STARTED: list[tuple[subprocess.Popen, bool]] = []
+_popen_init = subprocess.Popen.__init__
+
+
+def _recorded_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
+    _popen_init(self, *args, **kwargs)
+    _STARTED.append((self, bool(kwargs.get("start_new_session")) or kwargs.get("process_group") == 0))
+
+
+subprocess.Popen.__init__ = _recorded_init  # type: ignore[method-assign]
+
+
+def _kill_started(since: int = 0) -> None:
+    """SIGKILL what a test started and left running: a group leader's whole group (its workers with it)."""
+    for process, leads_group in _STARTED[since:]:
+        if process.poll() is not None:
+            continue
+        try:
+            if leads_group:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+            process.wait(timeout=10)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            pass
+    del _STARTED[since:]
+
+
+atexit.register(_kill_started)  # an interrupted suite (Ctrl-C, a timeout) ends its jobs too
+
+
+@pytest.fixture(autouse=True)
+def _end_started_processes():
+    """Pass or fail, a test's jobs end with it (processes of module fixtures, started before, are theirs to end)."""
+    since = len(_STARTED)
+    yield
+    _kill_started(since)
 
 
 @pytest.fixture(autouse=True)
