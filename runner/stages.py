@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from runner.checkpoint_io import TorchCheckpointIO
 from runner.config import ConfigError
@@ -14,6 +15,51 @@ from runner.data import val_loader
 
 log = logging.getLogger("runner")
 STAGES = ("fit", "validate", "test", "predict")
+RUN_INFO = "run info"  # the callbacks' name of the RunInfo the worker adds
+_STRATEGY_NAMES = {"SingleDeviceStrategy": "single", "DataParallelStrategy": "dp", "DDPStrategy": "ddp",
+                   "FSDPStrategy": "fsdp"}
+
+
+def run_info(strategy: Any, num_nodes: int) -> dict:
+    """What ran where: the device type and name, devices per node, nodes, process-group backend, precision,
+    processes and strategy."""
+    device = strategy.root_device
+    return {
+        "accelerator": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "devices_per_node": len(getattr(strategy, "parallel_devices", None) or [device]),
+        "num_nodes": num_nodes,
+        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else "none",
+        "precision": getattr(strategy.precision, "precision", "32-true"),
+        "world_size": strategy.world_size,
+        "strategy": _STRATEGY_NAMES.get(type(strategy).__name__, type(strategy).__name__),
+    }
+
+
+def run_line(info: dict) -> str:
+    """`devices: 2 × cpu (gloo), precision 32-true, world size 2, strategy ddp`, with the GPU's name on CUDA."""
+    name = f" {info['device_name']}" if info["accelerator"] == "cuda" else ""
+    nodes = f" × {info['num_nodes']} nodes" if info["num_nodes"] > 1 else ""
+    backend = "no process group" if info["backend"] == "none" else info["backend"]
+    return (f"devices: {info['devices_per_node']} × {info['accelerator']}{name}{nodes} ({backend}), precision "
+            f"{info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
+
+
+class RunInfo:
+    """Puts `run_info` under `run` in the result (metrics.json) of every stage."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def on_fit_end(self, loop: Any, result: dict) -> None:
+        result["run"] = dict(self.info)
+
+
+def _with_run_info(loop: Any, result: dict) -> dict:
+    info = loop.callbacks.by_name.get(RUN_INFO)
+    if info is not None:
+        info.on_fit_end(loop, result)
+    return result
 
 
 def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
@@ -45,7 +91,7 @@ def fit(loop: Any, data: Any) -> dict:
 def evaluate(split: str) -> Callable[[Any, Any], dict]:
     def run(loop: Any, data: Any) -> dict:
         metrics = loop.evaluate(split, _loader(loop, data, split, "validate" if split == "val" else split))
-        result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
+        result = _with_run_info(loop, {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch})
         loop.write_result(result)
         return result
     return run
@@ -62,7 +108,8 @@ def predict(loop: Any, data: Any) -> dict:
         TorchCheckpointIO().save_checkpoint({"predictions": stacked}, path)  # atomic, and written when it returns
         log.info("wrote %d predictions to %s", len(predictions), path)
     loop.strategy.barrier("predict")
-    result = {"step": loop.progress.step, "predictions": str(path), "num_predictions": len(predictions)}
+    result = _with_run_info(loop, {"step": loop.progress.step, "predictions": str(path),
+                                   "num_predictions": len(predictions)})
     loop.write_result(result)
     return result
 

@@ -145,6 +145,9 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     from omegaconf import OmegaConf
 
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    info = stages.run_info(strategy, cfg.trainer.num_nodes)
+    if strategy.is_global_zero:
+        log.info(stages.run_line(info))
     precision = strategy.precision
     with precision.module_init_context():
         model = build.build_model(cfg)
@@ -162,9 +165,11 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     train, val = train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed)
     # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
     total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
+    hparams = {**flatten(OmegaConf.to_container(cfg, resolve=True)), **flatten(info, "run/")}
+    callbacks = build.build_callbacks(cfg)
+    callbacks.by_name[stages.RUN_INFO] = stages.RunInfo(info)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
-                logger, cfg.trainer, run_dir, stop, flatten(OmegaConf.to_container(cfg, resolve=True)),
-                build.build_metrics(cfg, strategy), build.build_callbacks(cfg))
+                logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks)
     heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
