@@ -253,17 +253,62 @@ def build_metric(spec: DictConfig) -> Any:
 
 
 def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
-    """The optimizer over `parameters` (already on their device); AdamW, Adam and SGD run fused on CUDA."""
-    parameters = list(parameters)
-    extra = fused_setting(cfg.optimizer, {t.device.type for t in _tensors(parameters)})
+    """The optimizer over `parameters` (a model, or its parameters, already on their device); AdamW, Adam and SGD
+    run fused on CUDA. With `optimizer._no_decay_` (a model given) the parameters come in two groups: those it
+    names get weight_decay 0.0, the others the configured weight_decay."""
+    node = cfg.optimizer
+    parameters = decay_groups(parameters, list(node.get(NO_DECAY) or ())) if isinstance(
+        parameters, torch.nn.Module) else list(parameters)
+    extra = fused_setting(node, {t.device.type for t in _tensors(parameters)})
     if extra:
         logging.getLogger("runner").info("optimizer: fused=True (every parameter is on CUDA); +optimizer.foreach=true "
                                          "runs torch's own default, the multi-tensor update, instead")
+    settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != NO_DECAY}
     try:
-        return instantiate(cfg.optimizer)(parameters, **extra)
+        return instantiate(OmegaConf.create(settings))(parameters, **extra)
     except (TypeError, ValueError) as error:  # e.g. lr=-1: a config problem, not a bug
-        raise ConfigError([f"optimizer ({cfg.optimizer._target_}) does not accept its settings: "
+        raise ConfigError([f"optimizer ({node._target_}) does not accept its settings: "
                            f"{one_line(error)}"]) from error
+
+
+# `optimizer._no_decay_`: the runner's own key in the optimizer group (as `_stages_` in a metric's), which the
+# optimizer's constructor never sees. Its entries: `bias` (parameters whose name ends in bias), `norm` (the
+# parameters of normalization layers), or any other text, found in a parameter's full name.
+NO_DECAY = "_no_decay_"
+NORM_LAYERS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.LocalResponseNorm,
+               torch.nn.modules.batchnorm._NormBase)
+
+
+def is_norm_layer(module: torch.nn.Module) -> bool:
+    """torch's normalization layers (batch, instance, layer, group, RMS), and any class whose name ends in Norm
+    (LlamaRMSNorm, T5LayerNorm, ...)."""
+    return isinstance(module, NORM_LAYERS) or type(module).__name__.endswith("Norm")
+
+
+def no_decay_matches(model: torch.nn.Module, entries: list[str]) -> dict[str, list[str]]:
+    """{entry: the names of the parameters it exempts from weight decay}, in the model's order."""
+    in_norm = {id(p) for m in model.modules() if is_norm_layer(m) for p in m.parameters(recurse=False)}
+
+    def matches(entry: str, name: str, parameter: torch.Tensor) -> bool:
+        if entry == "bias":
+            return name.endswith("bias")
+        if entry == "norm":
+            return id(parameter) in in_norm
+        return entry in name
+
+    named = list(model.named_parameters())
+    return {entry: [name for name, p in named if matches(entry, name, p)] for entry in entries}
+
+
+def decay_groups(model: torch.nn.Module, entries: list[str]) -> list:
+    """The model's parameters, in two groups when `entries` exempt some: [{the others}, {those, weight_decay 0}]."""
+    if not entries:
+        return list(model.parameters())
+    exempt = {name for names in no_decay_matches(model, entries).values() for name in names}
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n not in exempt]},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 # Optimizers whose single fused kernel per step torch offers on CUDA (its default there is the multi-kernel foreach).

@@ -158,7 +158,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         # In place: the module keeps its state_dict keys, so checkpoints load with or without compile.
         task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
-    optimizer = build.build_optimizer(cfg, model.parameters())
+    optimizer = build.build_optimizer(cfg, model)
     data = build.build_data(cfg)
     sampler_kwargs = strategy.distributed_sampler_kwargs
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero)

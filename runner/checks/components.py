@@ -15,8 +15,8 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (build_accelerator, build_environment, build_model, build_task, compile_arguments,
-                          devices_setting, python_rng_kept)
+from runner.build import (NO_DECAY, build_accelerator, build_environment, build_model, build_task,
+                          compile_arguments, devices_setting, no_decay_matches, python_rng_kept)
 from runner.checks.signatures import strategy_class
 from runner.values import one_line, suggest
 
@@ -87,9 +87,13 @@ def check_backend(cfg: DictConfig) -> Iterator[str]:
 
 
 def check_trainable(cfg: DictConfig) -> Iterator[str]:
-    """A model without a parameter to train (built on the meta device: shapes only, in milliseconds)."""
+    """A model without a parameter to train, and `optimizer._no_decay_` entries that exempt none of its parameters
+    (built on the meta device: shapes only, in milliseconds)."""
     if cfg.get("stage", "fit") != "fit":
         return  # validating, testing or predicting with a frozen model is fine
+    entries, problem = _no_decay_entries(cfg)
+    if problem:
+        yield problem
     try:
         with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
             model = build_model(cfg)
@@ -104,6 +108,29 @@ def check_trainable(cfg: DictConfig) -> Iterator[str]:
     elif not any(p.requires_grad for p in parameters):
         yield (f"model ({cfg.model._target_}) has no trainable parameters: all {len(parameters)} have "
                "requires_grad=False, so the optimizer would change nothing; leave some trainable")
+    for entry, names in no_decay_matches(model, entries).items():
+        if not names:
+            some = ", ".join(name for name, _ in list(model.named_parameters())[:6])
+            yield (f"optimizer.{NO_DECAY}: {entry} matches no parameter of model ({cfg.model._target_}); use bias "
+                   f"(names ending in bias), norm (normalization layers) or part of a name such as {some}")
+
+
+def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
+    """`optimizer._no_decay_` as a list of names, or a problem: not a list of names, or an optimizer without
+    weight_decay."""
+    node = cfg.optimizer
+    value = node.get(NO_DECAY)
+    if value is None or (OmegaConf.is_list(value) and len(value) == 0):
+        return [], ""
+    entries = list(value) if OmegaConf.is_list(value) else None
+    if entries is None or not all(isinstance(e, str) and e for e in entries):
+        return [], (f"optimizer.{NO_DECAY}={value} must be a list of names: bias, norm, or part of a parameter's "
+                    "name, e.g. optimizer._no_decay_=[bias,norm]")
+    target = get_method(node._target_)
+    takes = inspect.isclass(target) and "weight_decay" in (inspect.signature(target).parameters)
+    if not takes:
+        return [], f"optimizer.{NO_DECAY}={value}: optimizer ({node._target_}) takes no weight_decay to exempt from"
+    return [str(e) for e in entries], ""
 
 
 def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
