@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,6 +64,24 @@ def _with_run_info(loop: Any, result: dict) -> dict:
     return result
 
 
+def dev_run_only(callbacks: Any, batches: int, announce: bool) -> None:
+    """`trainer.fast_dev_run`: as Lightning's, no checkpoint or early-stopping callbacks (and the worker builds no
+    logger); each loop runs `batches` batches."""
+    from runner.callbacks import EarlyStopping, ModelCheckpoint
+
+    dropped = [name for name, c in callbacks.by_name.items() if isinstance(c, (ModelCheckpoint, EarlyStopping))]
+    for name in dropped:
+        del callbacks.by_name[name]
+    if announce:
+        log.info("trainer.fast_dev_run: %d batch(es) of training, validation, test and predict per process; no "
+                 "checkpoints, no loggers%s", batches, f", callbacks {', '.join(dropped)} off" if dropped else "")
+
+
+def _dev_batches(loop: Any) -> float:
+    """The batches each evaluation loop runs: all of them, or trainer.fast_dev_run's."""
+    return int(loop.cfg.fast_dev_run) or math.inf
+
+
 def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
     loader = val_loader(data, loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, split)
     if loader is None:
@@ -83,14 +103,15 @@ def fit(loop: Any, data: Any) -> dict:
         loop.strategy.barrier("best checkpoint written")
         loop.load_weights(loop.strategy.load_checkpoint(best))
     log.info("testing %s", best or "the last weights")
-    result.update(loop.evaluate("test", test), tested=best or "last")
+    result.update(loop.evaluate("test", test, _dev_batches(loop)), tested=best or "last")
     loop.write_result(result)
     return result
 
 
 def evaluate(split: str) -> Callable[[Any, Any], dict]:
     def run(loop: Any, data: Any) -> dict:
-        metrics = loop.evaluate(split, _loader(loop, data, split, "validate" if split == "val" else split))
+        loader = _loader(loop, data, split, "validate" if split == "val" else split)
+        metrics = loop.evaluate(split, loader, _dev_batches(loop))
         result = _with_run_info(loop, {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch})
         loop.write_result(result)
         return result
@@ -100,7 +121,8 @@ def evaluate(split: str) -> Callable[[Any, Any], dict]:
 def predict(loop: Any, data: Any) -> dict:
     """`predictions.pt` in the run folder: {"predictions": one entry per sample, in the data set's order}
     (a tensor when every sample's prediction has one shape, else a list), loadable with weights_only=True."""
-    predictions = loop.predict(_loader(loop, data, "predict", "predict"))
+    loader, limit = _loader(loop, data, "predict", "predict"), _dev_batches(loop)
+    predictions = loop.predict(loader if limit == math.inf else itertools.islice(loader, int(limit)))
     path = Path(loop.run_dir) / "predictions.pt"
     if loop.strategy.is_global_zero:
         same = len({tuple(p.shape) for p in predictions}) == 1

@@ -161,12 +161,15 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     optimizer = build.build_optimizer(cfg, model)
     data = build.build_data(cfg)
     sampler_kwargs = strategy.distributed_sampler_kwargs
-    logger = build.build_logger(cfg, run_dir, strategy.is_global_zero)
+    dev_run = bool(cfg.trainer.fast_dev_run)
+    logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
     train, val = train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed)
     # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
     total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
     hparams = {**flatten(OmegaConf.to_container(cfg, resolve=True)), **flatten(info, "run/")}
     callbacks = build.build_callbacks(cfg)
+    if dev_run:
+        stages.dev_run_only(callbacks, int(cfg.trainer.fast_dev_run), strategy.is_global_zero)
     callbacks.by_name[stages.RUN_INFO] = stages.RunInfo(info)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks)
