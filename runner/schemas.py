@@ -31,7 +31,7 @@ class TrainerConfig:
     trust_unchecked_checkpoint: bool = False  # load a ckpt_path named explicitly that carries no checksums
     seed: int = 0
     deterministic: bool = False
-    fast_dev_run: Any = False  # true: 1 batch of each loop (train, val, test, predict), no checkpoints or loggers; N: N batches
+    fast_dev_run: Any = False  # true: 1 batch of each loop (train, val, test, predict), no checkpoints, loggers
     max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
     keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
