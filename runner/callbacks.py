@@ -8,35 +8,85 @@ act on rank 0. A callback with `state_dict()`/`load_state_dict()` has its state 
 
 Hooks: on_fit_start(loop), on_train_log(loop, metrics, step), on_validation_end(loop, metrics, step),
 on_save_checkpoint(loop, checkpoint) (before a save: may add to the dict), on_checkpoint_saved(loop, path),
-on_fit_end(loop, result) (may add to the final result written to metrics.json), on_exception(loop, error).
+on_fit_end(loop, result) (may add to the final result written to metrics.json), on_exception(loop, error);
+per step and per batch:
+- on_before_optimizer_step(loop, optimizer): once per optimizer step, the gradients of the whole step (every
+  micro-batch accumulated, synced over processes, unscaled by the precision), before clipping and the step;
+  not called for a step skipped as non-finite (trainer.skip_nonfinite_loss).
+- on_train_batch_end(loop, outputs, step): after the optimizer and scheduler steps; `outputs` lists the
+  micro-batches' output dicts ("loss": the micro-batch's loss summed over its units, "stats"), `step` the
+  optimizer steps taken, the step its logs and checkpoint carry.
+- on_validation_start(loop), on_validation_batch_end(loop, out, batch_index), on_validation_epoch_end(loop):
+  around each validation (during fit and stage=validate; not a test), `out` a batch's output dict ("stats",
+  and "preds"/"target" when a metric wants them); on_validation_epoch_end after the last batch, whether or
+  not it had samples, before the metrics are reduced and on_validation_end gets them.
+Which callbacks implement a hook is found once, so a hook nobody implements costs nothing per step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
+
+import torch
 
 log = logging.getLogger("runner")
 HOOKS = ("on_fit_start", "on_train_log", "on_validation_end", "on_save_checkpoint", "on_checkpoint_saved",
-         "on_fit_end", "on_exception")
+         "on_fit_end", "on_exception", "on_before_optimizer_step", "on_train_batch_end", "on_validation_start",
+         "on_validation_batch_end", "on_validation_epoch_end")
 
 
 class CallbackError(ValueError):
     """A callback's setting that only a running job can check (a monitored metric nobody logs)."""
 
 
+class _ByName(dict):
+    """The callbacks by name; adding or removing one (the heartbeat adds itself) drops the owner's hook table."""
+
+    def __init__(self, callbacks: dict[str, Any], changed: Callable[[], None]) -> None:
+        super().__init__(callbacks)
+        self.changed = changed
+
+
+def _dropping_table(name: str) -> Callable:
+    method = getattr(dict, name)
+
+    def change(self: _ByName, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        self.changed()
+        return result
+    return change
+
+
+for _name in ("__setitem__", "__delitem__", "pop", "popitem", "setdefault", "update", "clear"):
+    setattr(_ByName, _name, _dropping_table(_name))
+
+
 class Callbacks:
-    """The configured callbacks by name; calling a hook calls it on each callback that has it, in order."""
+    """The configured callbacks by name; calling a hook calls it on each callback that has it, in order.
+
+    Which callbacks have a hook is looked up once per hook (not per call), so `call` of a hook nobody has
+    is one dict look-up, and `has` lets a hot path skip building the hook's arguments."""
 
     def __init__(self, callbacks: Optional[dict[str, Any]] = None) -> None:
-        self.by_name = dict(callbacks or {})
+        self._table: dict[str, tuple[Callable, ...]] = {}
+        self.by_name = _ByName(callbacks or {}, self._table.clear)
+
+    def methods(self, hook: str) -> tuple[Callable, ...]:
+        """The bound `hook` methods of the callbacks that have it, in order."""
+        found = self._table.get(hook)
+        if found is None:
+            found = self._table[hook] = tuple(method for callback in self.by_name.values()
+                                              if callable(method := getattr(callback, hook, None)))
+        return found
+
+    def has(self, hook: str) -> bool:
+        return bool(self.methods(hook))
 
     def call(self, hook: str, *args: Any) -> None:
-        for callback in self.by_name.values():
-            method = getattr(callback, hook, None)
-            if method is not None:
-                method(*args)
+        for method in self.methods(hook):
+            method(*args)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: c.state_dict() for name, c in self.by_name.items() if hasattr(c, "state_dict")}
@@ -205,3 +255,107 @@ class ModelSummary:
 def _count(module: Any) -> tuple[int, int]:
     params = list(module.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+class EMA:
+    """An exponential moving average of the model's weights: after every `every_n_steps`-th optimizer step,
+    average = decay * average + (1 - decay) * weights, for each floating parameter (buffers such as BatchNorm's
+    statistics stay the model's own); kept in float32 for 16-bit parameters.
+
+    Validation during training runs on the average: it is copied into the model at on_validation_start and the
+    model's own weights back at on_validation_epoch_end, before on_validation_end (so best.ckpt and every other
+    checkpoint hold the trained weights under "model"). The average is in each checkpoint under
+    callbacks.ema.weights, keyed as the model's state_dict, so a resumed run continues it exactly and
+    `model.load_state_dict(checkpoint["callbacks"]["ema"]["weights"], strict=False)` loads it. Every process
+    keeps the whole average (DDP's weights are the same on all); strategy=fsdp's sharded parameters are refused.
+    """
+
+    def __init__(self, decay: float = 0.999, every_n_steps: int = 1) -> None:
+        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0 < decay < 1):
+            raise ValueError(f"callbacks.ema.decay={decay!r} must be a number between 0 and 1, e.g. 0.999")
+        if isinstance(every_n_steps, bool) or not (isinstance(every_n_steps, int) and every_n_steps >= 1):
+            raise ValueError(f"callbacks.ema.every_n_steps={every_n_steps!r} must be a positive number of steps")
+        self.decay, self.every_n_steps = float(decay), every_n_steps
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []  # the model's parameters, detached (they follow in-place updates)
+        self.weights: list[torch.Tensor] = []  # the averages, in the order of `params`
+        self._loaded: dict[str, torch.Tensor] = {}  # a checkpoint's averages, taken up at on_fit_start
+        self._trained: list[torch.Tensor] = []  # the model's own weights while the averages are swapped in
+
+    def on_fit_start(self, loop: Any) -> None:
+        model = loop.strategy.unwrap(loop.wrapped).model
+        named = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+        if any(hasattr(p, "to_local") for _, p in named):
+            raise CallbackError("callbacks.ema is not available with strategy=fsdp: its parameters are sharded over "
+                                "the processes; use strategy=ddp (every process holds the whole model)")
+        if self._loaded and set(self._loaded) != {name for name, _ in named}:
+            raise CallbackError("trainer.ckpt_path: the checkpoint's callbacks.ema.weights are not of this model's "
+                                f"parameters ({len(self._loaded)} saved, {len(named)} in the model)")
+        self.names = [name for name, _ in named]
+        self.params = [p.detach() for _, p in named]
+        self.weights = [self._loaded.get(name, p).detach().to(p.device, _ema_dtype(p), copy=True) for name, p in named]
+        self._loaded = {}
+
+    def on_train_batch_end(self, loop: Any, outputs: list, step: int) -> None:
+        if step % self.every_n_steps == 0:
+            sources = [p.to(w.dtype) for p, w in zip(self.params, self.weights)]  # no copy where dtypes agree
+            torch._foreach_lerp_(self.weights, sources, 1.0 - self.decay)
+
+    def on_validation_start(self, loop: Any) -> None:
+        if self.weights:  # none before training (stage=validate evaluates the checkpoint's own weights)
+            self._trained = [p.clone() for p in self.params]
+            torch._foreach_copy_(self.params, [w.to(p.dtype) for p, w in zip(self.params, self.weights)])
+
+    def on_validation_epoch_end(self, loop: Any) -> None:
+        if self._trained:
+            torch._foreach_copy_(self.params, self._trained)
+            self._trained = []
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "weights": dict(zip(self.names, self.weights))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loaded = dict(state["weights"])
+
+
+def _ema_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+class GradNorm:
+    """`train/grad_norm`: the total 2-norm of an optimizer step's gradients before clipping (accumulated over the
+    step's micro-batches and synced over processes), logged at the steps trainer.log_every_n_steps divides.
+
+    It is taken on those steps only, as a device tensor (with trainer.gradient_clip_val set, the norm clipping
+    computes), and read at the step's train log, where the loop syncs anyway: no host sync on other steps.
+    """
+
+    def __init__(self) -> None:
+        self.norms: dict[int, Optional[torch.Tensor]] = {}  # log step -> its norm, until the log
+
+    def on_before_optimizer_step(self, loop: Any, optimizer: Any) -> None:
+        step = loop.progress.step + 1  # the step being taken
+        if step % loop.schedule.log_every == 0:
+            clipped = loop.train_step.clip is not None  # the step's own clipping computes it next
+            self.norms[step] = None if clipped else _total_norm(loop.task.parameters())
+
+    def on_train_batch_end(self, loop: Any, outputs: list, step: int) -> None:
+        if step in self.norms and self.norms[step] is None:
+            self.norms[step] = loop.train_step.grad_norm
+
+    def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
+        norm = self.norms.pop(step, None)
+        self.norms = {s: n for s, n in self.norms.items() if s > step}
+        if norm is None:
+            return
+        value = float(getattr(norm, "full_tensor", lambda: norm)())  # a sharded (FSDP) norm: gathered
+        metrics["train/grad_norm"] = loop.progress.metrics["train/grad_norm"] = value
+        loop.logger.log_metrics({"train/grad_norm": value}, step)
+
+
+def _total_norm(parameters: Any) -> torch.Tensor:
+    with_grads = [p for p in parameters if p.grad is not None]
+    total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if total is not None:
+        return total([p.grad for p in with_grads])
+    return torch.nn.utils.clip_grad_norm_(with_grads, math.inf)  # clipping at inf leaves the gradients as they are

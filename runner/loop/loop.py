@@ -87,8 +87,9 @@ class Loop:
                 if self.flops.pending:  # once, on the meta device; its seconds are no step's
                     self.train_log.tick += self.flops.count(window)
                 p.batch += s.accumulate
-                self.train_step(window)
+                self.train_step(window, self)  # the loop: its callbacks get on_before_optimizer_step
                 p.step += 1
+                self.callbacks.call("on_train_batch_end", self, self.train_step.outputs, p.step)
                 stopped = self._after_step()
             if p.batch >= s.batches_per_epoch:
                 p.epoch, p.batch = p.epoch + 1, 0
@@ -148,6 +149,10 @@ class Loop:
         self.task.eval()
         names = task.stat_names
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.strategy.root_device)
+        validating = prefix == "val"  # the validation hooks: not for a test
+        if validating:
+            self.callbacks.call("on_validation_start", self)
+        batch_end = self.callbacks.methods("on_validation_batch_end") if validating else ()
         with torch.no_grad():
             for index, batch in enumerate(loader):
                 if index >= limit:
@@ -155,7 +160,11 @@ class Loop:
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
                 sums += out["stats"].sum(dim=0)
                 self.metrics.update("val", out)
+                for hook in batch_end:
+                    hook(self, out, index)
         self.task.train()
+        if validating:
+            self.callbacks.call("on_validation_epoch_end", self)
         totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
         extra = self.metrics.compute("val", prefix)  # every process, even one without a sample
         if not totals["samples"]:

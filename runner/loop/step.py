@@ -73,14 +73,21 @@ class TrainStep:
                                     gradients=not self.precision.skips_nonfinite_steps)
         self.sums: Optional[torch.Tensor] = None  # the task's statistics since the last log step
         self.names: tuple[str, ...] = ()
+        # The total 2-norm of the last clipped step's gradients before clipping (a device tensor: no host sync).
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.outputs: list = []  # the last step's micro-batch outputs, kept only for on_train_batch_end
 
-    def __call__(self, window: list) -> None:
+    def __call__(self, window: list, loop: Any = None) -> None:
         """Forward and backward each micro-batch of one optimizer step (gradients synced on the last), then step.
 
         Each micro-batch's loss is a sum over its units; `weights` scales it so that the step follows the
         mean over every unit of the global batch, whatever its split over processes and micro-batches.
+        `loop`'s callbacks get on_before_optimizer_step, and on_train_batch_end reads `outputs`.
         """
         scale, stats, last = self.weights.start(window), [], len(window) - 1
+        hooks = loop.callbacks if loop is not None else None
+        keep = hooks is not None and hooks.has("on_train_batch_end")
+        self.outputs = []
         for index, batch in enumerate(window):
             with self.strategy.backward_sync(self.wrapped, enabled=index == last):
                 out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch),
@@ -91,11 +98,15 @@ class TrainStep:
                 self.accumulate(out)
                 self.metrics.update("train", out)
             stats.append(out["stats"])
+            if keep:
+                self.outputs.append(out)
         if not self.guard.skip_step():
             self.precision.unscale_gradients(self.optimizer)
             self.weights.finish(self.task.parameters(), stats)
+            if hooks is not None:
+                hooks.call("on_before_optimizer_step", loop, self.optimizer)
             if self.clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.task.parameters(), self.clip)
             if not self.guard.skip_gradients(self.task.parameters()):
                 self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
