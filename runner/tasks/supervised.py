@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.tasks.base import BatchError, Task, call_model, logits_of, split_batch, stats_row
+from runner.tasks.shift import LabelShift, ShiftSetting
 
 
 def _check_target_key(task: str, target_key: Any) -> str:
@@ -170,6 +171,10 @@ class RegressionTask(_Supervised):
 class LanguageModelTask(_Supervised):
     """Next-token cross-entropy: logits (B, T, V) against targets (B, T); `ignore_index` marks padding.
 
+    `shift_labels`: true scores the logits at position t against the label at t + 1 (labels = input_ids, as
+    HuggingFace's collators make them); false scores them at t (targets already shifted); auto shifts when the
+    first batch's labels equal its `input_ids` wherever they are not ignored, and says so in the log.
+
     The loss, its gradient and every metric are per token: a step follows the gradient of the mean over
     all tokens of its global batch. Logs `loss` and `perplexity` per token, and tokens per second.
     """
@@ -178,33 +183,51 @@ class LanguageModelTask(_Supervised):
     unit = "token"
     fixed_units = False
 
-    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, target_key: str = "labels") -> None:
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, target_key: str = "labels",
+                 shift_labels: ShiftSetting = "auto") -> None:
         super().__init__(target_key)
         if not (isinstance(ignore_index, int) and not isinstance(ignore_index, bool)):
             raise ValueError(f"task.ignore_index={ignore_index!r} must be an integer (the target of padding)")
         if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
             raise ValueError(f"task.label_smoothing={label_smoothing} must be in [0, 1)")
         self.ignore_index, self.label_smoothing = ignore_index, float(label_smoothing)
+        self.shift = LabelShift(shift_labels, ignore_index, "the logits at position t are scored against the "
+                                "label at t + 1 (task.shift_labels=false scores them at t)")
 
-    def score(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: bool) -> dict[str, Any]:
+        self.shift.does(*split_batch(batch, self.target_key, self.name))  # decided before the scores need it
+        return super().forward(model, batch, precision, with_preds)
+
+    def align(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the targets they are scored against: one position apart when the labels are shifted."""
         if logits.dim() != targets.dim() + 1 or logits.shape[:-1] != targets.shape or targets.is_floating_point():
             raise BatchError(f"task=language_model needs logits (B, T, V) and integer targets (B, T); the model "
                              f"returned {tuple(logits.shape)} for targets {tuple(targets.shape)} "
                              f"{str(targets.dtype).replace('torch.', '')}")
+        if self.shift.decided and targets.dim() >= 2:
+            return logits[:, :-1], LabelShift.shifted(targets)
+        return logits, targets
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+        n = len(targets)
+        logits, targets = self.align(logits, targets)
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         loss = _cross_entropy(self.name, flat_logits, flat_targets, ignore_index=self.ignore_index, reduction="sum",
                               label_smoothing=self.label_smoothing)
         tokens = (flat_targets != self.ignore_index).sum()
-        return {"loss": loss, "stats": stats_row(len(targets), tokens, loss)}
+        return {"loss": loss, "stats": stats_row(n, tokens, loss)}
 
     def preds(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Metrics see the scored tokens only: (M, V) logits and (M,) targets, padding removed."""
+        logits, targets = self.align(logits, targets)
         flat_logits, flat_targets = logits.detach().float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
         keep = flat_targets != self.ignore_index
         return flat_logits[keep], flat_targets[keep]
 
     def units(self, batch: Any) -> Optional[int]:
-        targets = split_batch(batch, self.target_key, self.name)[1]
+        inputs, targets = split_batch(batch, self.target_key, self.name)
+        if self.shift.does(inputs, targets) and targets.dim() >= 2:
+            targets = LabelShift.shifted(targets)
         return int((targets != self.ignore_index).sum())
 
     def compute(self, sums: dict[str, float]) -> dict[str, float]:
