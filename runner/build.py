@@ -73,13 +73,16 @@ def build_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model)
 
 
-def build_data(cfg: DictConfig) -> Any:
-    """The data, after checking on the meta device that the model and task take its batches.
+def build_data(cfg: DictConfig, strategy: Any = None) -> Any:
+    """The data, prepared (a data module's prepare_data once per node, its setup in every process, see
+    runner.data.prepare), after checking on the meta device that the model and task take its batches.
 
     Here, where each process builds its data anyway: checking in the parent would build the data twice.
     A model that does not fit (an input width other than the data's) fails with the sizes of both.
     """
-    data = build_unchecked_data(cfg)
+    from runner.data import prepare
+
+    data = prepare(build_unchecked_data(cfg), strategy, cfg.get("stage", "fit"))
     problem = data_contract(cfg, data) or model_data_mismatch(cfg, data)
     if problem:
         raise ConfigError([problem])
@@ -98,9 +101,13 @@ def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
     if not (is_int(batch_size) and batch_size > 0):
         return (f"{what} has batch_size={batch_size!r}: a data object needs a positive integer batch_size (per "
                 "process) beside train_dataset")
+    fit = cfg.get("stage", "fit") == "fit"
     for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
         dataset = getattr(data, name, None)
-        if dataset is None and name != "train_dataset":
+        if dataset is None and fit and name == "train_dataset":
+            return (f"{what} has no train_dataset: a data object needs one (a map-style dataset), made by its "
+                    "constructor or its setup(stage), or a train_dataloader() method")
+        if dataset is None:
             continue
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             return (f"{what}.{name} is {type(dataset).__name__}, not a map-style dataset (len() and indexing): "

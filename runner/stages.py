@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from runner.checkpoint_io import TorchCheckpointIO
 from runner.config import ConfigError
-from runner.data import val_loader
+from runner.data import ready, val_loader
 
 log = logging.getLogger("runner")
 STAGES = ("fit", "validate", "test", "predict")
@@ -91,10 +91,13 @@ def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
 
 
 def fit(loop: Any, data: Any) -> dict:
-    """Train; then, when the data has a test set, test the best checkpoint (else the last weights)."""
+    """Train; then, when the data has a test set (a data module's after its setup("test")), test the best
+    checkpoint (else the last weights)."""
     result = loop.run()
-    test = val_loader(data, loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, "test")
-    if test is None or result.get("stopped_early"):
+    if result.get("stopped_early"):
+        return result
+    test = val_loader(ready(data, "test"), loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, "test")
+    if test is None:
         return result
     best = result.get("best_model_path")
     if best:

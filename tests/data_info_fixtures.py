@@ -78,3 +78,39 @@ class FailingDownload(CountingDataModule):
 
     def prepare_data(self) -> None:
         raise OSError("cannot reach the download server")
+
+
+class DataHooks:
+    """What Lightning's LightningDataModule inherits: loader hooks that raise until a subclass overrides them."""
+
+    def train_dataloader(self) -> DataLoader:
+        raise NotImplementedError("`train_dataloader` must be implemented to be used with the Lightning Trainer")
+
+    def val_dataloader(self) -> DataLoader:
+        raise NotImplementedError("`val_dataloader` must be implemented to be used with the Lightning Trainer")
+
+    def test_dataloader(self) -> DataLoader:
+        raise NotImplementedError("`test_dataloader` must be implemented to be used with the Lightning Trainer")
+
+    def predict_dataloader(self) -> DataLoader:
+        raise NotImplementedError("`predict_dataloader` must be implemented to be used with the Lightning Trainer")
+
+
+class LightningShaped(DataHooks, LoaderDataModule):
+    """Overrides train and val only, as most LightningDataModules do: nothing to test after fit."""
+
+    train_dataloader = LoaderDataModule.train_dataloader
+    val_dataloader = LoaderDataModule.val_dataloader
+
+
+class OwnSampler:
+    """A DataLoader with a sampler of its own, which the runner cannot split over processes exactly."""
+
+    def __init__(self, folder: str = "", batch_size: int = 16, num_features: int = 8, num_samples: int = 128) -> None:
+        self.dataset = _pairs(num_samples, num_features, seed=0)
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        weights = torch.ones(len(self.dataset))
+        return DataLoader(self.dataset, batch_size=self.batch_size,
+                          sampler=torch.utils.data.WeightedRandomSampler(weights, len(self.dataset)))

@@ -25,13 +25,19 @@ from runner.values import is_int, one_line
 def check_data_and_schedule(cfg: DictConfig) -> Iterator[str]:
     """The data, built once: what the loop reads from it, whether its first samples form a batch, and the
     schedule's rates over the steps the run will take with it."""
-    from runner.data import first_batch_problem
+    from runner.data import STAGE_SPLITS, first_batch_problem, is_data_module, ready
 
     data = _trial_data(cfg)
     stage = cfg.get("stage", "fit")
-    splits = ("train", "val") if stage == "fit" else ({"validate": "val"}.get(stage, stage),)
-    problem = data is not None and (data_contract(cfg, data)
-                                    or next(filter(None, (first_batch_problem(data, s) for s in splits)), None))
+    if data is not None and is_data_module(data):
+        data = None  # its data sets exist once each worker has run its prepare_data and setup
+    try:
+        data = ready(data, stage) if data is not None else None  # DataLoaders read as the worker reads them
+    except ConfigError as error:
+        yield from error.problems
+        data = None
+    problem = data is not None and (data_contract(cfg, data) or next(
+        filter(None, (first_batch_problem(data, s) for s in STAGE_SPLITS[stage])), None))
     if problem:
         yield problem if problem.startswith("data (") else f"data ({cfg.data._target_}): {problem}"
         data = None
