@@ -159,7 +159,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
     optimizer = build.build_optimizer(cfg, model)
-    data = build.build_data(cfg)
+    data = build.build_data(cfg, strategy)
     sampler_kwargs = strategy.distributed_sampler_kwargs
     dev_run = bool(cfg.trainer.fast_dev_run)
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
