@@ -282,12 +282,14 @@ class EMA:
         self._loaded: dict[str, torch.Tensor] = {}  # a checkpoint's averages, taken up at on_fit_start
         self._trained: list[torch.Tensor] = []  # the model's own weights while the averages are swapped in
 
+    SHARDED = ("callbacks.{name} is not available with strategy=fsdp: its parameters are sharded over the processes; "
+               "use strategy=ddp (every process holds the whole model)")
+
     def on_fit_start(self, loop: Any) -> None:
         model = loop.strategy.unwrap(loop.wrapped).model
         named = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
         if any(hasattr(p, "to_local") for _, p in named):
-            raise CallbackError("callbacks.ema is not available with strategy=fsdp: its parameters are sharded over "
-                                "the processes; use strategy=ddp (every process holds the whole model)")
+            raise CallbackError(EMA.SHARDED.format(name="ema"))
         if self._loaded and set(self._loaded) != {name for name, _ in named}:
             raise CallbackError("trainer.ckpt_path: the checkpoint's callbacks.ema.weights are not of this model's "
                                 f"parameters ({len(self._loaded)} saved, {len(named)} in the model)")

@@ -98,3 +98,8 @@ def test_fsdp_is_refused_with_a_clear_message(make_cfg: MakeCfg, tmp_path: Path)
     cfg = make_cfg("callbacks=ema", "strategy=fsdp", "trainer.devices=2")
     with pytest.raises(Exception, match=r"callbacks\.ema is not available with strategy=fsdp.*use strategy=ddp"):
         runner.fit(cfg, run_dir=tmp_path)
+
+
+def test_fsdp_is_refused_before_any_worker_starts(make_cfg: MakeCfg) -> None:
+    with pytest.raises(ConfigError, match=r"- callbacks\.ema is not available with strategy=fsdp.*use strategy=ddp"):
+        validate(make_cfg("callbacks=ema", "strategy=fsdp", "trainer.devices=2"))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.build import (build_callbacks, build_metric, build_one_logger, guessed_modes, logger_specs, metric_specs,
                           monitor_defaults)
-from runner.checks.signatures import check_settings, parameters
+from runner.checks.signatures import check_settings, is_fsdp, parameters
 from runner.config import ConfigError
 from runner.values import is_int, one_line, suggest
 
@@ -70,7 +70,7 @@ def _unknown_settings(key: str, spec: DictConfig, target: Any) -> str:
 
 
 def check_callbacks(cfg: DictConfig) -> Iterator[str]:
-    from runner.callbacks import HOOKS
+    from runner.callbacks import EMA, HOOKS
 
     node = cfg.get("callbacks")
     if OmegaConf.is_dict(node):  # each callback's keys against its class, naming the allowed ones
@@ -92,6 +92,8 @@ def check_callbacks(cfg: DictConfig) -> Iterator[str]:
         if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
             yield (f"callbacks.{name} ({type(callback).__name__}) has none of the hooks {', '.join(HOOKS)}: "
                    "it would never be called")
+        if isinstance(callback, EMA) and is_fsdp(cfg):  # the average of whole weights; FSDP holds shards
+            yield EMA.SHARDED.format(name=name)
 
 
 def check_loggers(cfg: DictConfig) -> Iterator[str]:
