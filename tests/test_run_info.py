@@ -65,3 +65,12 @@ def _value(value: Any) -> Any:
     kind = value.WhichOneof("kind")
     number = getattr(value, kind)
     return int(number) if kind == "number_value" else number
+
+
+def test_on_cuda_the_line_names_the_gpu_and_the_nodes() -> None:
+    from runner.stages import run_line
+
+    info = {"accelerator": "cuda", "device_name": "NVIDIA H200", "devices_per_node": 8, "num_nodes": 2,
+            "backend": "nccl", "precision": "bf16-mixed", "world_size": 16, "strategy": "fsdp"}
+    assert run_line(info) == ("devices: 8 × cuda NVIDIA H200 × 2 nodes (nccl), precision bf16-mixed, world size 16, "
+                              "strategy fsdp")
