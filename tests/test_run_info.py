@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from omegaconf import DictConfig
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
@@ -74,3 +75,13 @@ def test_on_cuda_the_line_names_the_gpu_and_the_nodes() -> None:
             "backend": "nccl", "precision": "bf16-mixed", "world_size": 16, "strategy": "fsdp"}
     assert run_line(info) == ("devices: 8 × cuda NVIDIA H200 × 2 nodes (nccl), precision bf16-mixed, world size 16, "
                               "strategy fsdp")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_run_names_it(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    metrics = runner.fit(make_cfg("accelerator=cuda", "precision=bf16-mixed"), run_dir=tmp_path)
+    name = torch.cuda.get_device_name(0)
+    assert metrics["run"] == {"accelerator": "cuda", "device_name": name, "devices_per_node": 1, "num_nodes": 1,
+                              "backend": "none", "precision": "bf16-mixed", "world_size": 1, "strategy": "single"}
+    assert f"devices: 1 × cuda {name} (no process group), precision bf16-mixed" in (tmp_path / "runner.log").read_text()
