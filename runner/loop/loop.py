@@ -20,7 +20,7 @@ from runner.config import ConfigError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
-from runner.loop.progress import Console, announce, fmt, interactive, too_few_batches
+from runner.loop.progress import announce, fmt, make_console, too_few_batches
 from runner.loop.schedule import Progress, make_schedule
 from runner.loop.step import TrainStep
 from runner.loop.stop import StopVote
@@ -53,7 +53,8 @@ class Loop:
         self.train_step = TrainStep(strategy, task, wrapped, optimizer, scheduler, self.metrics, train.batch_size,
                                     s.accumulate, trainer_cfg)
         self.train_log = TrainLog(self)
-        self.console = Console(s, self.global_batch, strategy.is_global_zero and interactive())
+        self.console = make_console(s, self.global_batch, trainer_cfg.get("progress_bar", "auto"),
+                                    strategy.is_global_zero)
         self.last_val_step = -1
         self.periodic: Optional[list[Path]] = None  # the step-N checkpoints on disk or being written
         self.flops = StepFlops(strategy, task, wrapped, train.batch_size, trainer_cfg.get("peak_tflops"))
@@ -62,6 +63,7 @@ class Loop:
         try:
             return self._run()
         except BaseException as error:
+            self.console.end()
             self.callbacks.call("on_exception", self, error)
             raise
 
@@ -71,7 +73,7 @@ class Loop:
             raise ConfigError([too_few_batches(self)])
         announce(self)
         self.callbacks.call("on_fit_start", self)
-        self.train_log.tick = time.perf_counter()
+        self.train_log.begin()
         stopped = False
         while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
             self.train.sampler.set_epoch(p.epoch)
@@ -98,11 +100,14 @@ class Loop:
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal or a callback)."""
         s, step, train_log = self.schedule, self.progress.step, self.train_log
+        self.console.step(step)
         self._signalled = self.stop_vote()
         train_log.collect()  # the last log step's sums, reduced while this step trained
         periodic = step % s.ckpt_every == 0
-        if step % s.log_every == 0 or periodic or self._signalled:
+        if step % s.log_every == 0:  # the window is trainer.log_every_n_steps; a checkpoint carries it on
             train_log.start()
+        elif self._signalled:  # the end of the run: its last window is logged, and left open for a resume
+            train_log.start(close=False)
         validate = step % s.val_every == 0 and not self._signalled
         if validate or periodic or self._signalled:
             train_log.collect()  # a step's train line comes before its val line and its checkpoint
@@ -154,7 +159,7 @@ class Loop:
             self.callbacks.call("on_validation_start", self)
         batch_end = self.callbacks.methods("on_validation_batch_end") if validating else ()
         with torch.no_grad():
-            for index, batch in enumerate(loader):
+            for index, batch in enumerate(self.console.batches(loader, limit, prefix)):
                 if index >= limit:
                     break
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
@@ -172,7 +177,6 @@ class Loop:
         metrics = {**{f"{prefix}/{name}": value for name, value in task.compute(totals).items()}, **extra}
         self.progress.metrics.update(metrics)
         self.logger.log_metrics(metrics, self.progress.step)
-        self.console.end()
         log.info("step %d  %s  (%d samples, %.2fs)", self.progress.step, fmt(metrics), totals["samples"],
                  time.perf_counter() - start)
         return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ def state_dict(loop: Any) -> dict:
         "metrics": dict(p.metrics),
         "rng": _rng_state(),
         "callbacks": loop.callbacks.state_dict(),
+        "train_window": loop.train_log.state_dict(),  # a collective: every process saves
     }
 
 
@@ -70,6 +72,7 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
                              dict(checkpoint.get("metrics", {})))
     _set_rng_state(checkpoint["rng"])
     loop.callbacks.load_state_dict(checkpoint.get("callbacks", {}))
+    loop.train_log.load_state_dict(checkpoint.get("train_window", {}))  # older checkpoints: an empty window
     loop.logger.resume_at(checkpoint["step"] + 1)
     loop.last_val_step = -1
 
@@ -83,6 +86,7 @@ def load_weights(loop: Any, checkpoint: dict) -> None:
 
 def save(loop: Any, periodic: bool) -> None:
     """last.ckpt, and with `periodic` step-N.ckpt too, the oldest removed beyond trainer.keep_last_k."""
+    start = time.perf_counter()
     _check_finite_weights(loop)
     folder = loop.run_dir / "checkpoints"
     state = loop.state_dict()
@@ -98,6 +102,7 @@ def save(loop: Any, periodic: bool) -> None:
             loop.remove_checkpoint(old)  # the run's own periodic files, oldest first
         loop.periodic = loop.periodic[-keep:] if keep else loop.periodic
     loop.save_checkpoint(folder / "last.ckpt", state)
+    loop.train_log.tick += time.perf_counter() - start  # the log window goes on: a save's time is not training
 
 
 def _check_finite_weights(loop: Any) -> None:
