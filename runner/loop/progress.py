@@ -1,7 +1,8 @@
-"""What the loop tells a person while it runs: its start lines, the progress line, one-line metric summaries.
+"""What the loop tells a person while it runs: its start lines, the progress bar or lines, one-line metric summaries.
 
-Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; rank 0 prints, to a terminal
-(one line rewritten at each log step) or, without one, to the log every PROGRESS_LOG_S seconds.
+Path: CLI → validate → run folder → launch → worker → build → [loop] → teardown; rank 0 shows a bar per training
+and per validation (tqdm, `trainer.progress_bar`) on a terminal, or, without one, logs a progress line every
+PROGRESS_LOG_S seconds.
 """
 
 from __future__ import annotations
@@ -11,47 +12,146 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Iterable, Iterator, Union
 
 log = logging.getLogger("runner")
 
 PROGRESS_LOG_S = 10.0  # without a terminal, progress goes to the log this often (log_every_n_steps=1 stays cheap)
+PROGRESS_BAR_S = 0.5  # a bar is redrawn at most this often: a step costs a counter increment, nothing more
 
 
-class Console:
-    """The progress line of a run with `schedule` and `global_batch` samples per step; `show`: a terminal's."""
+def make_console(schedule: Any, global_batch: int, setting: Union[str, bool], is_global_zero: bool) -> Any:
+    """A `Bar` on rank 0 when trainer.progress_bar asks for one (auto: when stderr, where it and the log lines
+    go, is a terminal) and tqdm is installed; `Lines` otherwise."""
+    wanted = is_global_zero and (setting is True or (setting == "auto" and interactive()))
+    tqdm = _tqdm() if wanted else None
+    if wanted and tqdm is None and setting is True:
+        log.warning("trainer.progress_bar=true needs tqdm, which is not installed (pip install tqdm): progress "
+                    "goes to the log as lines instead")
+    return Bar(schedule, global_batch, tqdm) if tqdm is not None else Lines(schedule, global_batch)
 
-    def __init__(self, schedule: Any, global_batch: int, show: bool) -> None:
-        self.schedule, self.global_batch, self.show = schedule, global_batch, show
-        self._open = False
+
+class Lines:
+    """Progress as log lines: one every PROGRESS_LOG_S seconds at log steps, and at the last step."""
+
+    def __init__(self, schedule: Any, global_batch: int) -> None:
+        self.schedule, self.global_batch = schedule, global_batch
         self._last_log = -math.inf
 
+    def step(self, step: int) -> None:
+        """A step ended (nothing to show between log steps)."""
+
     def progress(self, metrics: dict, step: int, epoch: int) -> None:
-        """A terminal gets one line rewritten at every log step; a log file one line every PROGRESS_LOG_S."""
-        s = self.schedule
-        total = min(s.max_steps, s.max_epochs * (s.batches_per_epoch // s.accumulate))
+        """At a log step: a line, when PROGRESS_LOG_S passed since the last one or the run is at its end."""
+        total = _total(self.schedule)
         now = time.monotonic()
-        if not self.show and now - self._last_log < PROGRESS_LOG_S and step < total:
+        if now - self._last_log < PROGRESS_LOG_S and step < total:
             return
         rate = metrics["throughput/samples_per_s"] / self.global_batch
         eta = (total - step) / rate if rate and total < math.inf else float("nan")
-        line = (f"step {step}/{total if total < math.inf else '?'}  epoch {epoch}  "
-                f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
-                f"eta {eta:.0f}s")
-        if not self.show:
-            log.info(line)
-            self._last_log = now
-            return
-        sys.stderr.write(f"\r{line}\033[K")  # rewrite the same terminal line; \033[K clears its tail
-        sys.stderr.flush()
-        self._open = True
+        log.info(f"step {step}/{total if total < math.inf else '?'}  epoch {epoch}  "
+                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
+                 f"eta {eta:.0f}s")
+        self._last_log = now
+
+    def batches(self, loader: Iterable, limit: float, what: str) -> Iterable:
+        """The batches of a validation, as they come."""
+        return loader
 
     def end(self) -> None:
-        """Move past the progress line before anything else is printed."""
-        if self._open:
-            sys.stderr.write("\n")
-            self._open = False
+        """The training ended: the next progress line comes at once."""
         self._last_log = -math.inf
+
+
+class Bar:
+    """tqdm bars on stderr: the training's steps with their rate and ETA, the last log step's loss in its tail,
+    and one per validation; log lines to the console print above them while they are open."""
+
+    def __init__(self, schedule: Any, global_batch: int, tqdm: Any) -> None:
+        self.schedule, self.global_batch, self.tqdm = schedule, global_batch, tqdm
+        self.bar: Any = None
+        self._redirected: list = []
+
+    def step(self, step: int) -> None:
+        """A step ended: count it (tqdm redraws at most every PROGRESS_BAR_S)."""
+        if self.bar is None:
+            self._open(step - 1)
+        self.bar.update()
+
+    def progress(self, metrics: dict, step: int, epoch: int) -> None:
+        """At a log step: its loss and throughput in the bar's tail, shown at the next redraw."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"epoch {epoch}, loss {metrics['train/loss']:.4f}, "
+                                     f"{metrics['throughput/samples_per_s']:.0f} samples/s", refresh=False)
+
+    def batches(self, loader: Iterable, limit: float, what: str) -> Iterator:
+        """The batches of a validation, counted on a bar of their own that goes when it ends."""
+        total = min(limit, _length(loader))
+        with self._bar(total=None if total == math.inf else int(total), desc=what, unit="batch",
+                       leave=False) as bar:
+            for batch in loader:
+                yield batch
+                bar.update()
+
+    def end(self) -> None:
+        """The training ended: the bar stays on screen as it last was; log lines print as before."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for handler, stream in self._redirected:
+            handler.setStream(stream)
+        self._redirected = []
+
+    def _open(self, initial: int) -> None:
+        total = _total(self.schedule)
+        self.bar = self._bar(total=None if total == math.inf else int(total), initial=initial, desc="train",
+                             unit="step")
+        self._redirected = [(handler, handler.setStream(_AboveBars(handler.stream, self.tqdm)))
+                            for handler in _console_handlers()]
+
+    def _bar(self, **kwargs: Any) -> Any:
+        return self.tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=PROGRESS_BAR_S, **kwargs)
+
+
+class _AboveBars:
+    """A console handler's stream while bars are open: tqdm clears them, the line is written, they come back."""
+
+    def __init__(self, stream: Any, tqdm: Any) -> None:
+        self.stream, self.tqdm = stream, tqdm
+
+    def write(self, text: str) -> None:
+        self.tqdm.write(text, file=self.stream, end="")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _console_handlers() -> list:
+    """The runner's and the root logger's handlers that write to stdout or stderr (not to a file)."""
+    handlers = logging.getLogger("runner").handlers + logging.getLogger().handlers
+    return [h for h in handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and h.stream in (sys.stdout, sys.stderr)]
+
+
+def _tqdm() -> Any:
+    """tqdm's bar class, or None when tqdm is not installed (it is optional: the `progress` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
+def _total(schedule: Any) -> float:
+    """The step the run ends at (inf when neither trainer.max_steps nor trainer.max_epochs bounds it)."""
+    return min(schedule.max_steps, schedule.max_epochs * (schedule.batches_per_epoch // schedule.accumulate))
+
+
+def _length(loader: Any) -> float:
+    try:
+        return len(loader)
+    except TypeError:  # an iterable data set may not know its length
+        return math.inf
 
 
 def announce(loop: Any) -> None:
