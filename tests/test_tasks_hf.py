@@ -19,7 +19,7 @@ from lm_fixtures import IGNORE, CountingCausalLM, PaddedSequences, TinyCausalLM
 from runner.checks import validate
 from runner.config import ConfigError
 from runner.precision import Precision
-from runner.tasks import BatchError, LanguageModelTask, ModelTask, TaskModule
+from runner.tasks import LanguageModelTask, ModelTask, TaskModule
 
 MakeCfg = Callable[..., DictConfig]
 TESTS = Path(__file__).resolve().parent
