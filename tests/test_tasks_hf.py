@@ -147,7 +147,8 @@ def test_huggingface_and_pre_shifted_batches_train_the_same_next_token_objective
     teach the model to copy its input)."""
     ddp = DDP2 if devices == 2 else ()
     runs = {"hf": lm_cfg(make_cfg, *ddp, "task=language_model", batch_size=16 // devices),
-            "pre-shifted": lm_cfg(make_cfg, "task=language_model", batch_size=16, dict_batches=False)}
+            "pre-shifted": lm_cfg(make_cfg, *ddp, "task=language_model", batch_size=16 // devices,
+                                  dict_batches=False)}
     for name, cfg in runs.items():
         runner.fit(cfg, run_dir=tmp_path / name)
     assert_same_weights(tmp_path / "hf", tmp_path / "pre-shifted")
