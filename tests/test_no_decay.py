@@ -63,10 +63,12 @@ def test_without_entries_one_group_as_before(make_cfg: MakeCfg) -> None:
                       r"bias .* such as net\.0\.weight, net\.0\.bias"),
     ("[norm]", r"^optimizer\._no_decay_: norm matches no parameter of model \(runner\.models\.MLP\)"),
     ("bias", r"^optimizer\._no_decay_=bias must be a list of names: bias, norm"),
-], ids=["unknown-name", "no-norm-layer", "not-a-list"])
-def test_an_entry_that_exempts_nothing_is_refused(make_cfg: MakeCfg, entries: str, message: str) -> None:
+    ("[bias] strategy=fsdp trainer.devices=2", r"^optimizer\._no_decay_=\['bias'\] is not available with "
+                                                r"strategy=fsdp: its checkpoints map"),
+], ids=["unknown-name", "no-norm-layer", "not-a-list", "fsdp"])
+def test_unusable_settings_are_refused_in_one_line(make_cfg: MakeCfg, entries: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
-        validate(make_cfg(f"optimizer._no_decay_={entries}"))
+        validate(make_cfg(*f"optimizer._no_decay_={entries}".split()))
     assert len(error.value.problems) == 1
     assert re.search(message, error.value.problems[0]), error.value.problems
 

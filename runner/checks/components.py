@@ -130,7 +130,17 @@ def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
     takes = inspect.isclass(target) and "weight_decay" in (inspect.signature(target).parameters)
     if not takes:
         return [], f"optimizer.{NO_DECAY}={value}: optimizer ({node._target_}) takes no weight_decay to exempt from"
+    if _is_fsdp(cfg):
+        return [], (f"optimizer.{NO_DECAY}={value} is not available with strategy=fsdp: its checkpoints map the "
+                    "optimizer's state to parameters in the model's order, which two groups change; use strategy=ddp")
     return [str(e) for e in entries], ""
+
+
+def _is_fsdp(cfg: DictConfig) -> bool:
+    from runner.strategies import FSDPStrategy
+
+    chosen = strategy_class(cfg)
+    return bool(chosen and issubclass(chosen, FSDPStrategy))
 
 
 def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
