@@ -169,7 +169,8 @@ def _take_run_folder(folder: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def hydra_main(cfg: DictConfig) -> Optional[float]:
-    """One Hydra job. Returns the objective (`cfg.objective`) so sweeper plugins can optimise it."""
+    """One Hydra job. Returns its score by the objective (`cfg.objective`: the best over the run's validations,
+    where the run records it) so sweeper plugins can optimise it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -199,19 +200,19 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
             _end_stopped_sweep(error.signum, job_dir)
         failed_jobs.append(str(job_dir))
         return None
-    if metrics.get("stopped_early"):
-        signum = metrics.get("stop_signal") or 0
+    if metrics.get("stop_signal"):  # unfinished, to resume (a callback's stop is a finished run)
+        signum = metrics["stop_signal"]
         external = _external_environment()
         if external is None or external.global_rank() == 0:  # other ranks' Hydra folders hold no checkpoint
             print(f"error: {stop_message(signum, job_dir)}", file=sys.stderr)
         if not multirun:
-            sys.exit(128 + signum if signum else 1)
+            sys.exit(128 + signum)
         _end_stopped_sweep(signum, job_dir)
     if multirun and cfg.objective not in metrics:
         known = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
         print(f"warning: objective={cfg.objective} is not a metric of job {job_dir.name} ({known}); "
               "the sweeper gets no value for it", file=sys.stderr)
-    return metrics.get(cfg.objective)
+    return sweep.objective_value(metrics, cfg.objective)  # the best over the run's validations, where recorded
 
 
 def _end_stopped_sweep(signum: int, job_dir: Path) -> None:

@@ -7,6 +7,7 @@ passes are runner.checks; compose runs their first ones (runner.checks.keys), wh
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,6 +17,8 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from runner.schemas import SCHEMAS, RunnerConfig
+
+log = logging.getLogger("runner")
 
 
 class ConfigError(CompactHydraException):
@@ -150,10 +153,22 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
         version.version_base = outer_version
         if outer is not None:
             global_hydra.initialize(outer)
+    drop_unselected_callbacks(cfg)
     problems = check_keys(cfg, CONFIG_DIR)  # what Hydra's `+key=value` lets through
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def drop_unselected_callbacks(cfg: DictConfig) -> None:
+    """Turn off what the config sets for callbacks it does not select (an experiment's settings under
+    `callbacks=none`), saying which, in one line."""
+    from runner.checks.keys import drop_unselected_callbacks as drop
+
+    dropped = drop(cfg, CONFIG_DIR)
+    if dropped:
+        log.info("dropped %s: settings of callbacks this run does not select (callbacks=%s)", ", ".join(dropped),
+                 "[" + ",".join(cfg.callbacks or ()) + "]" if cfg.get("callbacks") else "none")
 
 
 _unique_dirs: dict[str, str] = {}

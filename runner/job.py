@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import run_lock
 from runner.build import build_strategy
 from runner.checks import validate
-from runner.config import ConfigError, make_unique_dir
+from runner.config import ConfigError, drop_unselected_callbacks, make_unique_dir
 from runner.launch import launcher_for
 from runner.processes import end_with_parent
 
@@ -31,8 +32,9 @@ SAME_MODEL_KEYS = ("model", "data", "task")
 def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """`trainer.ckpt_path`: a file; or `last`/`best`. A run folder that holds checkpoints/ already resumes from
     its own newest complete one (last.ckpt, else the highest step-N.ckpt; best.ckpt for `best`) and never from
-    another folder. A new run folder takes the newest one of a run of this config (model, data, task, optimizer
-    and scheduler to train on; model, data and task to validate, test or predict with) that this user owns."""
+    another folder. A new run folder takes one of a run of this config (model, data, task, optimizer and
+    scheduler to train on; model, data and task to validate, test or predict with) that this user owns: the
+    newest last.ckpt, or the best.ckpt with the best recorded score (`_best_of_runs`)."""
     value = cfg.trainer.ckpt_path
     if value in (None, ""):
         return None
@@ -42,10 +44,12 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         return _own_checkpoint(value, run_dir)
     root = output_root(run_dir)
     found = _runs_of_this_config(cfg, root, f"{value}.ckpt")
+    if value == "best" and found:
+        return _best_of_runs(cfg, found, root)
     if found:
         newest = max(found, key=lambda p: p.stat().st_mtime)
-        log.warning("trainer.ckpt_path=%s: using %s, the newest %s.ckpt of your runs of this config under %s",
-                    value, newest, value, root)
+        log.warning("trainer.ckpt_path=last: using %s, the newest last.ckpt of your runs of this config under %s",
+                    newest, root)
         return str(newest.resolve())
     if value == "best":
         raise ConfigError([f"trainer.ckpt_path=best: no checkpoints/best.ckpt in {run_dir}, nor in a run of this "
@@ -74,6 +78,52 @@ def _own_checkpoint(value: str, run_dir: Path) -> Optional[str]:
 
 
 _STEP = re.compile(r"step-(\d+)\.ckpt")
+
+
+def _best_of_runs(cfg: DictConfig, found: list[Path], root: Path) -> str:
+    """The best.ckpt of the run whose metrics.json records the best `best_model_score`, among the runs whose
+    checkpoint callback ranked by this config's metric and mode (the newest of equal scores). Raises ConfigError
+    when none recorded one."""
+    monitor, mode = ranked_by(OmegaConf.to_container(cfg, resolve=True))
+    scored = [(score, path.stat().st_mtime, path) for path in found
+              if ranked_by(_resolved_of(path.parent.parent)) == (monitor, mode)
+              and (score := recorded_best_score(path.parent.parent)) is not None]
+    if not scored:
+        raise ConfigError([f"trainer.ckpt_path=best: {len(found)} run(s) of this config under {root} hold a "
+                           f"best.ckpt, but none records a best_model_score by {monitor} (mode {mode}) in its "
+                           "metrics.json (ranked by another metric, or never finished): name the checkpoint, "
+                           "trainer.ckpt_path=<file>"])
+    sign = 1 if mode == "max" else -1
+    score, _, best = max(scored, key=lambda item: (sign * item[0], item[1]))
+    log.warning("trainer.ckpt_path=best: using %s, of the run with the best %s (mode %s): %.6g, of %d run(s) of "
+                "this config under %s", best, monitor, mode, score, len(scored), root)
+    return str(best.resolve())
+
+
+def ranked_by(config: Any) -> Optional[tuple[str, str]]:
+    """The metric and mode a run of `config` (a resolved config) ranks best.ckpt by: its checkpoint callback's
+    `monitor` and `mode`; unset ones, or no such callback, follow `objective` and `direction`."""
+    if not isinstance(config, dict):
+        return None
+    callbacks = config.get("callbacks") if isinstance(config.get("callbacks"), dict) else {}
+    spec = next((s for s in callbacks.values() if isinstance(s, dict)
+                 and s.get("_target_") == "runner.callbacks.ModelCheckpoint"), {})
+    return (spec.get("monitor") or config.get("objective") or "val/loss",
+            spec.get("mode") or ("max" if config.get("direction") == "maximize" else "min"))
+
+
+def recorded_best_score(run: Path) -> Optional[float]:
+    """`best_model_score` of the run's metrics.json (the checkpoint callback's best), if it holds a finite one
+    and is this user's file."""
+    path = run / "metrics.json"
+    try:
+        if path.stat().st_uid != os.getuid():
+            return None
+        score = json.loads(path.read_text()).get("best_model_score")
+    except (OSError, ValueError, AttributeError):
+        return None
+    number = isinstance(score, (int, float)) and not isinstance(score, bool)
+    return float(score) if number and math.isfinite(score) else None
 
 
 def _runs_of_this_config(cfg: DictConfig, root: Path, name: str) -> list[Path]:
@@ -165,6 +215,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     from runner.logs import save_job_logging
 
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    drop_unselected_callbacks(cfg)
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
     validate(cfg, ckpt_path)
     check_writable(cfg, run_dir)

@@ -1,5 +1,8 @@
 """Sweeps: each job of `python -m runner -m ...` is a full run; finished jobs are skipped, stopped ones resumed,
-the sweep folder keeps a summary table of every job naming the best, and `direction` reaches the sweeper."""
+the sweep folder keeps a summary table of every job naming the best, and `direction` reaches the sweeper.
+
+A job's score is its objective's best over its validations when the run records one (metrics.json's `best`),
+else its last value: what the sweeper gets back, and what the summary ranks."""
 
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def finished_metrics(job_dir: Path, digest: str) -> Optional[dict]:
         metrics = json.loads((job_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return None
-    if status.get("status") == "ok" and status.get("config_hash") == digest and not metrics.get("stopped_early"):
+    if status.get("status") == "ok" and status.get("config_hash") == digest and not metrics.get("stop_signal"):
         return metrics
     return None
 
@@ -71,7 +74,7 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
     start = time.time()
     try:
         metrics = fit(cfg, job_dir)
-        status["status"] = "stopped" if metrics.get("stopped_early") else "ok"
+        status["status"] = "stopped" if metrics.get("stop_signal") else "ok"  # a signal's stop resumes
         return metrics
     except BaseException as error:
         status.update(status="stopped" if hasattr(error, "signum") else "failed",  # JobStopped: by a signal
@@ -111,7 +114,21 @@ def _write_status(job_dir: Path, status: dict) -> None:
     _replace(job_dir / STATUS_FILE, json.dumps(status, indent=2) + "\n")
 
 
-def _job_rows(sweep_dir: Path) -> list[dict]:
+def objective_value(metrics: dict, objective: str) -> Any:
+    """What a job scores by `objective`: the best over its validations, where its metrics record it, else the
+    last value (None when the run has neither)."""
+    best = recorded_best(metrics, objective)
+    return best["value"] if best is not None else metrics.get(objective)
+
+
+def recorded_best(metrics: dict, objective: str) -> Optional[dict]:
+    """metrics.json's `best` ({metric, value, step}: the objective's best over the run's validations), when it is
+    of `objective`."""
+    best = metrics.get("best")
+    return best if isinstance(best, dict) and best.get("metric") == objective and "value" in best else None
+
+
+def _job_rows(sweep_dir: Path, objective: str) -> list[dict]:
     rows = []
     for status_file in sweep_dir.glob("*/" + STATUS_FILE):
         job_dir = status_file.parent.parent
@@ -125,19 +142,40 @@ def _job_rows(sweep_dir: Path) -> list[dict]:
         row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": status["status"],
                "wall_time_s": status.get("wall_time_s", "")}
         row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        best = recorded_best(metrics, objective)
+        if best is not None:  # beside the last value of each metric
+            row.update({f"{objective} best": best["value"], f"{objective} best step": best.get("step")})
         row["error"] = status.get("error", "")
         rows.append(row)
     return sorted(rows, key=lambda r: (not r["job"].isdigit(), int(r["job"]) if r["job"].isdigit() else r["job"]))
 
 
 def best_job(rows: list[dict], objective: str, direction: str) -> Optional[dict]:
-    """The finished job with the lowest (minimize) or highest (maximize) finite `objective`, if any."""
-    scored = [r for r in rows if r["status"] == "ok" and isinstance(r.get(objective), (int, float))
-              and math.isfinite(r[objective])]
+    """The finished job with the lowest (minimize) or highest (maximize) finite score by `objective` (its best
+    over its validations where recorded, else its last value), if any."""
+    scored = [r for r in rows if r["status"] == "ok" and isinstance(_score(r, objective), (int, float))
+              and math.isfinite(_score(r, objective))]
     if not scored:
         return None
     pick = min if direction == "minimize" else max
-    return pick(scored, key=lambda r: r[objective])
+    return pick(scored, key=lambda r: _score(r, objective))
+
+
+def _score(row: dict, objective: str) -> Any:
+    return row.get(f"{objective} best", row.get(objective))
+
+
+def _verdict(best: Optional[dict], objective: str, direction: str) -> str:
+    """summary.md's first line: the best job, its score and which value of the job that is."""
+    if best is None:
+        return f"No finished job has {objective} yet ({direction})."
+    overrides = f" ({best['overrides']})" if best["overrides"] else ""
+    if f"{objective} best" not in best:
+        return f"Best job by {objective} ({direction}): {best['job']}, {objective} = {best[objective]:.6g}{overrides}."
+    last = f"{best[objective]:.6g}" if isinstance(best.get(objective), (int, float)) else "none"
+    return (f"Best job by {objective} ({direction}), each job scored by its best {objective} over its "
+            f"validations: {best['job']}, {objective} = {best[objective + ' best']:.6g} at step "
+            f"{best[objective + ' best step']} (last {last}){overrides}.")
 
 
 def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
@@ -145,7 +183,7 @@ def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rows = _job_rows(sweep_dir)
+        rows = _job_rows(sweep_dir, objective)
         best = best_job(rows, objective, direction)
         for row in rows:
             row["best"] = "yes" if row is best else ""
@@ -157,12 +195,7 @@ def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
         _replace(sweep_dir / "summary.csv", buffer.getvalue())
-        if best is None:
-            verdict = f"No finished job has {objective} yet ({direction})."
-        else:
-            verdict = (f"Best job by {objective} ({direction}): {best['job']}, {objective} = {best[objective]:.6g}"
-                       f"{' (' + best['overrides'] + ')' if best['overrides'] else ''}.")
-        _replace(sweep_dir / "summary.md", verdict + "\n\n" + _markdown(rows, columns))
+        _replace(sweep_dir / "summary.md", _verdict(best, objective, direction) + "\n\n" + _markdown(rows, columns))
 
 
 def set_sweeper_direction(config: DictConfig) -> None:

@@ -1,4 +1,5 @@
-"""The config's shape: overrides Hydra fails on, required groups removed, keys no schema has.
+"""The config's shape: overrides Hydra fails on, required groups removed, keys no schema has, settings of
+callbacks that are not selected.
 
 CLI → [compose: these checks] → validate → run folder → launch → worker → build → loop → teardown. What
 `runner.config.compose` runs (and `validate` first): no imports of targets, no hardware. It reads the schemas and
@@ -11,7 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.schemas import RunnerConfig, TrainerConfig
 from runner.values import show, suggest
@@ -80,6 +81,28 @@ def check_overrides(overrides: Sequence[str], groups_dir: str) -> list[str]:
             problems.append(f"{group}=null is not an option of {group}: {hint}choose one of "
                             f"{', '.join(options)} (~{group} removes the group)")
     return problems
+
+
+def drop_unselected_callbacks(cfg: DictConfig, groups_dir: str) -> list[str]:
+    """Remove what a config sets for callbacks it does not select, and return their keys.
+
+    An experiment may tune `callbacks.early_stopping.patience`; `callbacks=none` or `callbacks=[model_summary]`
+    over it leaves that entry without the option's `_target_`: a callback turned off, not one to build. Only an
+    option of the callbacks group is taken so: any other entry without a `_target_` (a misspelt name) stays, for
+    the checks to name.
+    """
+    node = cfg.get("callbacks")
+    if not OmegaConf.is_dict(node):
+        return []
+    options = group_options("callbacks", groups_dir)
+    unselected = [str(name) for name, spec in node.items()
+                  if name in options and OmegaConf.is_dict(spec) and "_target_" not in spec]
+    keys = [key for name in unselected
+            for key in [f"callbacks.{name}.{setting}" for setting in node[name]] or [f"callbacks.{name}"]]
+    with open_dict(node):
+        for name in unselected:
+            del node[name]
+    return keys
 
 
 def check_keys(cfg: DictConfig, groups_dir: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,10 +19,14 @@ log = logging.getLogger("runner")
 
 
 def fit_result(progress: Any, signalled: int, stop_reason: Optional[str]) -> dict:
-    """The end of training: the last metrics, where it stopped, and why when it stopped early."""
-    result = {**progress.metrics, "step": progress.step, "epoch": progress.epoch, "stopped_early": bool(signalled)}
+    """The end of training: the last metrics, where it stopped, and what stopped it before its max_steps or
+    max_epochs: `stopped_early` says whether something did, `stopped_by` what (a callback's reason, or the
+    signal), and `stop_signal` is there only when a signal did, which leaves the run to resume."""
+    result = {**progress.metrics, "step": progress.step, "epoch": progress.epoch,
+              "stopped_early": bool(signalled) or stop_reason is not None}
     if signalled:
         result["stop_signal"] = signalled
+        stop_reason = f"signal {signal.Signals(signalled).name}"
     if stop_reason is not None:
         result["stopped_by"] = stop_reason
         log.info("stopped at step %d by %s", progress.step, stop_reason)

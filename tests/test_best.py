@@ -1,0 +1,88 @@
+"""The best of a run and of runs: `trainer.ckpt_path=best` by recorded score, a sweep scored by each job's best."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+import runner
+from _dist import assert_ok, run_cli
+from conftest import TINY, compose_config
+from runner.job import resolve_ckpt_path
+from runner.sweep import _write_summary, objective_value
+
+CHECKPOINTED = (*TINY, "callbacks=model_checkpoint", "trainer.val_check_interval=1", "trainer.max_steps=4")
+
+
+def test_best_takes_the_run_with_the_best_recorded_score_not_the_newest(tmp_path: Path) -> None:
+    runs = tmp_path / "outputs" / "2030-01-01"
+    good, worse, by_acc = runs / "00-00-00", runs / "00-00-01", runs / "00-00-02"
+    runner.fit(compose_config([*CHECKPOINTED, "optimizer.lr=0.05"]), run_dir=good)
+    runner.fit(compose_config([*CHECKPOINTED, "optimizer.lr=0.00001"]), run_dir=worse)  # newer, hardly trained
+    # Newest, ranked by accuracy: its score (an accuracy below 1) is no loss to compare.
+    runner.fit(compose_config([*CHECKPOINTED, "callbacks.model_checkpoint.monitor=val/acc",
+                               "callbacks.model_checkpoint.mode=max"]), run_dir=by_acc)
+    scores = {run: json.loads((run / "metrics.json").read_text())["best_model_score"] for run in (good, worse, by_acc)}
+    assert scores[good] < scores[worse] and scores[by_acc] < scores[good]  # else any pick would look right
+
+    validate = ["stage=validate", "trainer.ckpt_path=best"]
+    assert_ok(run_cli([*TINY, *validate, f"hydra.run.dir={runs / '00-00-03'}"], cwd=tmp_path))
+    metrics = json.loads((runs / "00-00-03" / "metrics.json").read_text())
+    assert metrics["val/loss"] == pytest.approx(scores[good], rel=1e-5)  # best.ckpt of the best run, validated
+    log = (runs / "00-00-03" / "runner.log").read_text()
+    assert (f"trainer.ckpt_path=best: using {good / 'checkpoints' / 'best.ckpt'}, of the run with the best val/loss "
+            f"(mode min): {scores[good]:.6g}, of 2 run(s) of this config") in log
+    cfg = compose_config([*TINY, *validate])
+    # A run folder's own best.ckpt, however much better another run's is.
+    assert resolve_ckpt_path(cfg, worse) == str(worse / "checkpoints" / "best.ckpt")
+    # Ranked by accuracy: the one run that recorded its best accuracy.
+    by_accuracy = compose_config([*TINY, "stage=validate", "trainer.ckpt_path=best", "objective=val/acc",
+                                  "direction=maximize"])
+    assert resolve_ckpt_path(by_accuracy, runs / "00-00-04") == str(by_acc / "checkpoints" / "best.ckpt")
+
+
+def test_best_without_a_recorded_score_is_refused(tmp_path: Path) -> None:
+    from runner.config import ConfigError
+
+    run = tmp_path / "outputs" / "2030-01-01" / "00-00-00"
+    runner.fit(compose_config([*CHECKPOINTED, "trainer.max_steps=2"]), run_dir=run)
+    (run / "metrics.json").unlink()  # killed before its end: no score recorded
+    cfg = compose_config([*TINY, "stage=validate", "trainer.ckpt_path=best"])
+    with pytest.raises(ConfigError, match=r"trainer\.ckpt_path=best: 1 run\(s\) of this config under .* hold a "
+                                          r"best\.ckpt, but none records a best_model_score by val/loss \(mode min\)"):
+        resolve_ckpt_path(cfg, run.parent / "00-00-01")
+
+
+def _job(sweep: Path, job: str, lr: float, last: float, best: float, step: int) -> None:
+    """A finished job's folder as a sweep leaves it, its objective val/acc last at `last`, best at `best`."""
+    (sweep / job / ".hydra").mkdir(parents=True)
+    (sweep / job / ".hydra" / "job_status.json").write_text(json.dumps({"status": "ok"}))
+    (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={lr}\n")
+    (sweep / job / "metrics.json").write_text(json.dumps(
+        {"val/acc": last, "val/loss": 1.0, "step": 60, "best": {"metric": "val/acc", "value": best, "step": step}}))
+
+
+def test_the_summary_ranks_each_job_by_its_best_validation(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _job(sweep, "0", 0.1, last=0.9198, best=0.926, step=40)  # early stopping: its last is 2 validations later
+    _job(sweep, "1", 0.01, last=0.921, best=0.921, step=60)  # the better last value
+    _write_summary(sweep, "val/acc", "maximize")
+    first = (sweep / "summary.md").read_text().splitlines()[0]
+    assert first == ("Best job by val/acc (maximize), each job scored by its best val/acc over its validations: 0, "
+                     "val/acc = 0.926 at step 40 (last 0.9198) (optimizer.lr=0.1).")
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [(r["job"], r["val/acc"], r["val/acc best"], r["val/acc best step"], r["best"]) for r in rows] == [
+        ("0", "0.9198", "0.926", "40", "yes"), ("1", "0.921", "0.921", "60", "")]
+    _write_summary(sweep, "val/acc", "minimize")  # the direction picks among the best values too
+    assert (sweep / "summary.md").read_text().startswith("Best job by val/acc (minimize), each job scored by its "
+                                                         "best val/acc over its validations: 1, val/acc = 0.921")
+
+
+def test_a_job_gives_the_sweeper_its_best_value_where_recorded() -> None:
+    metrics = {"val/acc": 0.9198, "val/loss": 0.3, "best": {"metric": "val/acc", "value": 0.926, "step": 40}}
+    assert objective_value(metrics, "val/acc") == 0.926
+    assert objective_value(metrics, "val/loss") == 0.3  # no best recorded for it: its last value
+    assert objective_value({"train/loss": 0.5}, "val/acc") is None
