@@ -127,7 +127,9 @@ def test_ddp_run_logs_params_metrics_and_artifacts_to_a_server(tmp_path: Path, m
     assert run.info.status == "FINISHED"
     assert run.data.tags["runner.run_dir"] == str(run_dir.resolve())
     resolved = yaml.safe_load((run_dir / ".hydra" / "resolved.yaml").read_text())
-    assert run.data.params == {key: str(value) for key, value in flat(resolved).items()}
+    where = json.loads((run_dir / "metrics.json").read_text())["run"]  # what ran where, logged with the settings
+    assert run.data.params == {**{key: str(value) for key, value in flat(resolved).items()},
+                               **{f"run/{key}": str(value) for key, value in where.items()}}
     assert run.data.params["strategy._target_"] == "runner.strategies.DDPStrategy"
     assert mlflow_series(client, run.info.run_id) == csv_series(run_dir)
     assert all(len(client.get_metric_history(run.info.run_id, name)) == len(values)  # each step once
