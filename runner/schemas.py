@@ -148,6 +148,7 @@ class LanguageModelTaskConfig:
     ignore_index: int = -100
     label_smoothing: float = 0.0
     target_key: str = "labels"
+    shift_labels: Any = "auto"  # auto | true | false: Any, since a str field would read `true` as "True"
 
 
 @dataclass
@@ -156,6 +157,8 @@ class ModelTaskConfig:
     unit: str = "sample"
     preds_key: str = "logits"
     target_key: str = "labels"
+    ignore_index: int = -100
+    shift_labels: Any = "auto"  # auto | true | false
 
 
 @dataclass

@@ -51,7 +51,8 @@ COMPANIONS = {
 
 # Options that need a Hydra plugin (an optional extra), by the module it installs.
 NEEDS_PLUGIN = {("hparams_search", "optuna"): "hydra_plugins.hydra_optuna_sweeper", ("logger", "mlflow"): "mlflow",
-                ("logger", "wandb"): "wandb"}
+                ("logger", "wandb"): "wandb", ("experiment", "tiny_gpt2"): "transformers",
+                ("experiment", "tiny_bert"): "transformers"}
 
 # Options that read who started the processes from the environment: one process, rank 0.
 ENVIRONMENTS = {

@@ -5,11 +5,13 @@ The map, in the order a step meets them:
   loop.py       `Loop`: the while-loops of fit, evaluate and predict; each step: step → log → validate → save
   step.py       `TrainStep`: one optimizer step over an accumulation window (token weights, clipping), with
                 `NonFiniteGuard` (trainer.skip_nonfinite_loss) and `NonFiniteLossError`
-  train_log.py  `TrainLog`: a log step's train metrics, reduced while the next step trains, then logged
+  train_log.py  `TrainLog`: the log window's train metrics (trainer.log_every_n_steps steps), reduced while the
+                next step trains, then logged; its open window goes into each checkpoint
   stop.py       `StopVote`: every process stops at the same step after a stop signal
   schedule.py   `Schedule`/`make_schedule`: when things happen, from trainer.*; `Progress`: where the run is
   state.py      what a checkpoint holds, resuming from one (rng, the same optimizer, this run's settings), saving
-  progress.py   `Console`: the progress line, the start lines and one-line metric summaries
+  progress.py   `make_console`: a `Bar` (tqdm, trainer.progress_bar) or `Lines` (the periodic log line); the
+                start lines and one-line metric summaries
   results.py    the run's result: metrics.json (rank 0, atomic) and the final log line
 """
 

@@ -134,7 +134,7 @@ def _console_handlers() -> list:
 
 
 def _tqdm() -> Any:
-    """tqdm's bar class, or None when tqdm is not installed (it is optional: the `progress` extra)."""
+    """tqdm's bar class, or None where tqdm cannot be imported (a dependency, but an environment may lack it)."""
     try:
         from tqdm import tqdm
     except ImportError:
