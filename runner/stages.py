@@ -94,7 +94,7 @@ def fit(loop: Any, data: Any) -> dict:
     """Train; then, when the data has a test set (a data module's after its setup("test")), test the best
     checkpoint (else the last weights)."""
     result = loop.run()
-    if result.get("stopped_early"):
+    if result.get("stop_signal"):  # stopped to resume later; a callback's stop (early stopping) is an end
         return result
     test = val_loader(ready(data, "test"), loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, "test")
     if test is None:
