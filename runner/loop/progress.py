@@ -28,7 +28,7 @@ def make_console(schedule: Any, global_batch: int, setting: Union[str, bool], is
     if wanted and tqdm is None and setting is True:
         log.warning("trainer.progress_bar=true needs tqdm, which is not installed (pip install tqdm): progress "
                     "goes to the log as lines instead")
-    return Bar(schedule, global_batch, tqdm) if tqdm is not None else Lines(schedule, global_batch)
+    return Bar(schedule, tqdm) if tqdm is not None else Lines(schedule, global_batch)
 
 
 class Lines:
@@ -67,8 +67,8 @@ class Bar:
     """tqdm bars on stderr: the training's steps with their rate and ETA, the last log step's loss in its tail,
     and one per validation; log lines to the console print above them while they are open."""
 
-    def __init__(self, schedule: Any, global_batch: int, tqdm: Any) -> None:
-        self.schedule, self.global_batch, self.tqdm = schedule, global_batch, tqdm
+    def __init__(self, schedule: Any, tqdm: Any) -> None:
+        self.schedule, self.tqdm = schedule, tqdm
         self.bar: Any = None
         self._redirected: list = []
 
