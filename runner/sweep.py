@@ -173,9 +173,8 @@ def _verdict(best: Optional[dict], objective: str, direction: str) -> str:
     if f"{objective} best" not in best:
         return f"Best job by {objective} ({direction}): {best['job']}, {objective} = {best[objective]:.6g}{overrides}."
     last = f"{best[objective]:.6g}" if isinstance(best.get(objective), (int, float)) else "none"
-    return (f"Best job by {objective} ({direction}), each job scored by its best {objective} over its "
-            f"validations: {best['job']}, {objective} = {best[objective + ' best']:.6g} at step "
-            f"{best[objective + ' best step']} (last {last}){overrides}.")
+    return (f"Best job by {objective} ({direction}): {best['job']}, {objective} = {best[objective + ' best']:.6g}, "
+            f"the best of its validations (step {best[objective + ' best step']}; last {last}){overrides}.")
 
 
 def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
