@@ -84,10 +84,10 @@ def _best_of_runs(cfg: DictConfig, found: list[Path], root: Path) -> str:
     """The best.ckpt of the run whose metrics.json records the best `best_model_score`, among the runs whose
     checkpoint callback ranked by this config's metric and mode (the newest of equal scores). Raises ConfigError
     when none recorded one."""
-    monitor, mode = ranked_by(OmegaConf.to_container(cfg, resolve=True))
+    monitor, mode = _ranked_by(OmegaConf.to_container(cfg, resolve=True))
     scored = [(score, path.stat().st_mtime, path) for path in found
-              if ranked_by(_resolved_of(path.parent.parent)) == (monitor, mode)
-              and (score := recorded_best_score(path.parent.parent)) is not None]
+              if _ranked_by(_resolved_of(path.parent.parent)) == (monitor, mode)
+              and (score := _recorded_best_score(path.parent.parent)) is not None]
     if not scored:
         raise ConfigError([f"trainer.ckpt_path=best: {len(found)} run(s) of this config under {root} hold a "
                            f"best.ckpt, but none records a best_model_score by {monitor} (mode {mode}) in its "
@@ -100,7 +100,7 @@ def _best_of_runs(cfg: DictConfig, found: list[Path], root: Path) -> str:
     return str(best.resolve())
 
 
-def ranked_by(config: Any) -> Optional[tuple[str, str]]:
+def _ranked_by(config: Any) -> Optional[tuple[str, str]]:
     """The metric and mode a run of `config` (a resolved config) ranks best.ckpt by: its checkpoint callback's
     `monitor` and `mode`; unset ones, or no such callback, follow `objective` and `direction`."""
     if not isinstance(config, dict):
@@ -112,7 +112,7 @@ def ranked_by(config: Any) -> Optional[tuple[str, str]]:
             spec.get("mode") or ("max" if config.get("direction") == "maximize" else "min"))
 
 
-def recorded_best_score(run: Path) -> Optional[float]:
+def _recorded_best_score(run: Path) -> Optional[float]:
     """`best_model_score` of the run's metrics.json (the checkpoint callback's best), if it holds a finite one
     and is this user's file."""
     path = run / "metrics.json"
