@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -84,24 +85,27 @@ def _no_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key)
 
 
-# Every process a test starts, with whether it leads a process group of its own (start_new_session): such a job
+# Every process the tests start, with whether it leads a process group of its own (start_new_session): such a job
 # (a run, a sweep, torchrun) does not get the terminal's Ctrl-C, and its workers would train on after the test.
-_STARTED: list[tuple[subprocess.Popen, bool]] = []
+# And the thread that started it: a module fixture's pool may still be starting its runs while a test runs.
+_STARTED: list[tuple[subprocess.Popen, bool, int]] = []
 _popen_init = subprocess.Popen.__init__
 
 
 def _recorded_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
     _popen_init(self, *args, **kwargs)
-    _STARTED.append((self, bool(kwargs.get("start_new_session")) or kwargs.get("process_group") == 0))
+    leads = bool(kwargs.get("start_new_session")) or kwargs.get("process_group") == 0
+    _STARTED.append((self, leads, threading.get_ident()))
 
 
 subprocess.Popen.__init__ = _recorded_init  # type: ignore[method-assign]
 
 
-def _kill_started(since: int = 0) -> None:
-    """SIGKILL what a test started and left running: a group leader's whole group (its workers with it)."""
-    for process, leads_group in _STARTED[since:]:
-        if process.poll() is not None:
+def _kill_started(since: int = 0, thread: Optional[int] = None) -> None:
+    """SIGKILL what was started (after `since`, by `thread` if given) and still runs: a group leader's whole group,
+    its workers with it."""
+    for process, leads_group, starter in _STARTED[since:]:
+        if process.poll() is not None or thread not in (None, starter):
             continue
         try:
             if leads_group:
@@ -111,7 +115,6 @@ def _kill_started(since: int = 0) -> None:
             process.wait(timeout=10)
         except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
             pass
-    del _STARTED[since:]
 
 
 atexit.register(_kill_started)  # an interrupted suite (Ctrl-C, a timeout) ends its jobs too
@@ -119,10 +122,11 @@ atexit.register(_kill_started)  # an interrupted suite (Ctrl-C, a timeout) ends 
 
 @pytest.fixture(autouse=True)
 def _end_started_processes():
-    """Pass or fail, a test's jobs end with it (processes of module fixtures, started before, are theirs to end)."""
+    """Pass or fail, the jobs a test starts end with it (a module fixture's processes are the fixture's to end)."""
     since = len(_STARTED)
     yield
-    _kill_started(since)
+    _kill_started(since, threading.get_ident())
+    _STARTED[:] = [entry for entry in _STARTED if entry[0].poll() is None]  # keep the list short
 
 
 @pytest.fixture(autouse=True)
