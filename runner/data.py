@@ -7,8 +7,7 @@ import math
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 
@@ -336,9 +335,15 @@ class LoaderData:
 
 
 def _own_sampler(loader: DataLoader, what: str, split: str) -> Optional[str]:
-    """Why the runner cannot take `loader`'s data set as it is: a sampler or batch sampler of its own."""
-    own = (loader.sampler if not isinstance(loader.sampler, _PLAIN_SAMPLERS) else
-           loader.batch_sampler if type(loader.batch_sampler) is not BatchSampler else None)
+    """Why the runner cannot take `loader`'s data set as it is: a sampler or batch sampler of its own, or none
+    (batch_size=None: no batching)."""
+    if loader.batch_size is None and loader.batch_sampler is None:
+        return f"{what} has batch_size=None (no batching): give it a batch size (per process)"
+    plain = type(loader.sampler) in _PLAIN_SAMPLERS and not (
+        isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                       or loader.sampler._num_samples is not None))
+    # DataLoader's batch_size is None exactly when it was given a batch_sampler
+    own = loader.sampler if not plain else loader.batch_sampler if loader.batch_size is None else None
     if own is None:
         return None
     return (f"{what} has a sampler of its own ({type(own).__name__}); the runner's samplers take each "

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 import runner
 from runner.checks import validate
 from runner.config import ConfigError
+from runner.data import collate, ready
 
 from conftest import TINY, load_checkpoint
 
@@ -84,3 +86,33 @@ def test_a_failed_download_ends_every_process(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="cannot reach the download server"):
         runner.fit(_cfg(tmp_path, "FailingDownload", *DDP2), run_dir=tmp_path / "run")
     assert "data.prepare_data() failed on local rank 0 of a node" in (tmp_path / "run" / "rank_1.log").read_text()
+
+
+class _Loaders:
+    """A data object whose train_dataloader() is `make(dataset)`."""
+
+    def __init__(self, make) -> None:
+        self.make, self.dataset = make, torch.utils.data.TensorDataset(torch.zeros(10, 2), torch.zeros(10))
+
+    def train_dataloader(self) -> DataLoader:
+        return self.make(self.dataset)
+
+
+@pytest.mark.parametrize(("make", "refusal"), [
+    (lambda ds: DataLoader(ds, batch_size=2, shuffle=True), None),
+    (lambda ds: DataLoader(ds, batch_size=2), None),
+    (lambda ds: DataLoader(ds, batch_size=None), r"has batch_size=None \(no batching\)"),
+    (lambda ds: DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, replacement=True)),
+     r"has a sampler of its own \(RandomSampler\)"),
+    (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 2, False)),
+     r"has a sampler of its own \(BatchSampler\)"),
+], ids=["shuffled", "in-order", "unbatched", "with-replacement", "batch-sampler"])
+def test_what_a_loader_keeps_and_what_it_may_not_have(make, refusal) -> None:
+    if refusal is None:
+        data = ready(_Loaders(make), "fit")
+        assert data.train_dataset is data.source.dataset and data.batch_size == 2
+        assert data.split_settings["train"] == {"batch_size": 2, "collate_fn": collate, "num_workers": 0,
+                                                "pin_memory": False}
+        return
+    with pytest.raises(ConfigError, match=r"data \(_Loaders\): train_dataloader\(\) " + refusal):
+        ready(_Loaders(make), "fit")
