@@ -229,7 +229,8 @@ def build_callbacks(cfg: DictConfig) -> Any:
     """The `callbacks` group's options by name; an unset `monitor`/`mode` follows `objective`/`direction`."""
     from runner.callbacks import Callbacks, ObjectiveCheck
 
-    checks = {"objective check": ObjectiveCheck(str(cfg.objective))} if cfg.get("objective") else {}
+    checks = ({"objective check": ObjectiveCheck(str(cfg.objective), cfg.get("direction", "minimize"))}
+              if cfg.get("objective") else {})
     node = cfg.get("callbacks")
     if node is None:
         return Callbacks(checks)

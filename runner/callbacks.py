@@ -110,21 +110,38 @@ def _monitored(metrics: dict, monitor: str, who: str) -> float:
 
 
 class ObjectiveCheck:
-    """The job's `objective` (what a sweep optimises, what the summary ranks) must be a metric the run logs.
+    """The job's `objective` (what a sweep optimises, what the summary ranks) must be a metric the run logs; its
+    best over the run's validations, by `direction`, is the result's `best`: {metric, value, step}.
 
     Checked where it first could be: a `val/` objective at the first validation, any other at the first training
     log, so a misspelt name stops the run there instead of every job of a sweep training for nothing.
     """
 
-    def __init__(self, objective: str) -> None:
-        self.objective = objective
+    def __init__(self, objective: str, direction: Literal["minimize", "maximize"] = "minimize") -> None:
+        self.objective, self.direction = objective, direction
         self.validated = not objective.startswith("val/")  # test/ and others come at the end: not checked
         self.logged = objective.startswith(("val/", "test/"))
+        self.best: Optional[list] = None  # [value, step]
 
     def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.validated:
             self.validated = True
             _require_logged(metrics, "objective", self.objective, "at validation")
+        value = metrics.get(self.objective)
+        if not isinstance(value, (int, float)) or math.isnan(value):
+            return
+        if self.best is None or (value < self.best[0] if self.direction == "minimize" else value > self.best[0]):
+            self.best = [float(value), step]
+
+    def on_fit_end(self, loop: Any, result: dict) -> None:
+        if self.best is not None:
+            result["best"] = {"metric": self.objective, "value": self.best[0], "step": self.best[1]}
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state["best"]
 
     def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.logged:

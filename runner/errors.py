@@ -30,7 +30,7 @@ def stop_message(signum: int, run_dir: Path) -> str:
         metrics = json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         metrics = {}
-    if not metrics.get("stopped_early"):
+    if not metrics.get("stop_signal"):
         return f"stopped by {name}; resume with trainer.ckpt_path={last}"
     return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
 

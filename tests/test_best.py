@@ -86,3 +86,54 @@ def test_a_job_gives_the_sweeper_its_best_value_where_recorded() -> None:
     assert objective_value(metrics, "val/acc") == 0.926
     assert objective_value(metrics, "val/loss") == 0.3  # no best recorded for it: its last value
     assert objective_value({"train/loss": 0.5}, "val/acc") is None
+
+
+# -- the objective's best over a run's validations (recorded by the objective check) ------------------------------
+
+def test_the_best_follows_the_direction_and_survives_a_resume() -> None:
+    from runner.callbacks import ObjectiveCheck
+
+    for direction, best in (("maximize", [0.9, 20]), ("minimize", [0.5, 10])):
+        check = ObjectiveCheck("val/acc", direction)
+        for step, value in ((10, 0.5), (20, 0.9), (30, 0.7), (40, float("nan"))):
+            check.on_validation_end(None, {"val/acc": value}, step)
+        resumed = ObjectiveCheck("val/acc", direction)
+        resumed.load_state_dict(check.state_dict())
+        result: dict = {"val/acc": 0.7}
+        resumed.on_fit_end(None, result)
+        assert result == {"val/acc": 0.7, "best": {"metric": "val/acc", "value": best[0], "step": best[1]}}
+
+
+def _optuna() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _optuna(), reason="needs the optuna extra (hydra-optuna-sweeper)")
+def test_a_sweep_under_early_stopping_is_scored_by_each_jobs_best_validation(tmp_path: Path) -> None:
+    import yaml
+
+    from conftest import read_events
+
+    sweep = tmp_path / "sweep"
+    # Early stopping ends the run 2 validations after its best val/loss: the last is worse.
+    assert_ok(run_cli(["hparams_search=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=1",
+                       "hydra.sweeper.params={optimizer.lr:'choice(0.05)'}", "objective=val/loss", "direction=minimize",
+                       *TINY, "callbacks=early_stopping", "callbacks.early_stopping.patience=2",
+                       "trainer.val_check_interval=2", "trainer.max_steps=60", f"hydra.sweep.dir={sweep}"], cwd=tmp_path))
+    val = [(e.step, e.value) for e in read_events(sweep / "0").Scalars("val/loss")]
+    best_step, best = min(val, key=lambda item: item[1])
+    last = val[-1][1]
+    assert val[-3][0] == best_step and last > best  # patience 2 after the best
+    metrics = json.loads((sweep / "0" / "metrics.json").read_text())
+    assert metrics["val/loss"] == pytest.approx(last, rel=1e-6)  # the last value stays
+    assert metrics["best"] == {"metric": "val/loss", "value": pytest.approx(best, rel=1e-6), "step": best_step}
+    found = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert found["best_value"] == pytest.approx(best, rel=1e-6)  # what the job gave the sweeper
+    assert (f"val/loss = {metrics['best']['value']:.6g}, the best of its validations (step {best_step}; "
+            f"last {metrics['val/loss']:.6g})"
+            in (sweep / "summary.md").read_text().splitlines()[0])
