@@ -85,10 +85,14 @@ def _dev_batches(loop: Any) -> float:
 def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
     loader = val_loader(data, loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, split)
     if loader is None:
-        name = type(getattr(data, "source", data)).__name__  # a data module's own class, not its LoaderData
-        raise ConfigError([f"stage={stage} needs a {split}_dataset, but the data ({name}) has none or an empty one; "
-                           f"give the data object a {split}_dataset attribute (or a {split}_dataloader() method)"])
+        raise missing_split(data, split, stage)
     return loader
+
+
+def missing_split(data: Any, split: str, stage: str) -> ConfigError:
+    name = type(getattr(data, "source", data)).__name__  # a data module's own class, not its LoaderData
+    return ConfigError([f"stage={stage} needs a {split}_dataset, but the data ({name}) has none or an empty one; "
+                        f"give the data object a {split}_dataset attribute (or a {split}_dataloader() method)"])
 
 
 def fit(loop: Any, data: Any) -> dict:

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner import heartbeat
 from runner import build
 from runner import stages
-from runner.data import train_loader, val_loader
+from runner.data import STAGE_SPLITS, train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.logs import apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
@@ -163,7 +163,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     sampler_kwargs = strategy.distributed_sampler_kwargs
     dev_run = bool(cfg.trainer.fast_dev_run)
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
-    train, val = train_loader(data, sampler_kwargs, cfg.trainer.seed), val_loader(data, sampler_kwargs, cfg.trainer.seed)
+    train, val = _loaders(data, sampler_kwargs, cfg.trainer.seed, cfg.get("stage", "fit"))
     # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
     total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
     hparams = {**flatten(OmegaConf.to_container(cfg, resolve=True)), **flatten(info, "run/")}
@@ -187,6 +187,18 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         return stages.RUN[stage](loop, data)
     finally:
         logger.finalize()
+
+
+def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any, Any]:
+    """The train and val loaders. A data module set up for validate, test or predict may have no train split: the
+    stage's own loader then stands in for the loop's sizes (nothing trains on it)."""
+    if stage == "fit" or getattr(data, "train_dataset", None) is not None:
+        return train_loader(data, sampler_kwargs, seed), val_loader(data, sampler_kwargs, seed)
+    split = STAGE_SPLITS[stage][0]
+    stand_in = val_loader(data, sampler_kwargs, seed, split)
+    if stand_in is None:
+        raise stages.missing_split(data, split, stage)
+    return stand_in, val_loader(data, sampler_kwargs, seed)
 
 
 _TEMPORARY = re.compile(r"\.tmp-(\d+)(-[0-9a-f]+)?$")  # what atomic writes name their file until the rename

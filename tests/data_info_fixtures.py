@@ -114,3 +114,14 @@ class OwnSampler:
         weights = torch.ones(len(self.dataset))
         return DataLoader(self.dataset, batch_size=self.batch_size,
                           sampler=torch.utils.data.WeightedRandomSampler(weights, len(self.dataset)))
+
+
+class StagedDataModule(CountingDataModule):
+    """Makes only what each stage reads, as LightningDataModules often do: train and val for fit, test for test."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        saved = torch.load(self.folder / "data.pt", weights_only=True)
+        if stage == "test":
+            del self.train_dataset, self.val_dataset
+            self.test_dataset = TensorPairDataset(saved["x"][:64], saved["y"][:64])

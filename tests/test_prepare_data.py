@@ -116,3 +116,16 @@ def test_what_a_loader_keeps_and_what_it_may_not_have(make, refusal) -> None:
         return
     with pytest.raises(ConfigError, match=r"data \(_Loaders\): train_dataloader\(\) " + refusal):
         ready(_Loaders(make), "fit")
+
+
+def test_a_module_that_makes_each_split_in_its_stage_fits_tests_and_tests_again(tmp_path: Path) -> None:
+    """setup("fit") makes train and val only, setup("test") the test set only: the fit tests after training, and
+    stage=test runs without any train split."""
+    fitted = runner.fit(_cfg(tmp_path, "StagedDataModule"), run_dir=tmp_path / "fit")
+    assert fitted["tested"] == "last" and "test/loss" in fitted
+    last = tmp_path / "fit" / "checkpoints" / "last.ckpt"
+    tested = runner.fit(_cfg(tmp_path, "StagedDataModule", "stage=test", f"trainer.ckpt_path={last}"),
+                        run_dir=tmp_path / "test")
+    assert tested["test/loss"] == pytest.approx(fitted["test/loss"], rel=1e-6)
+    assert _lines(tmp_path / "StagedDataModule" / "setup") == ["0 fit", "0 test", "0 test"]
+    assert len(_lines(tmp_path / "StagedDataModule" / "downloads")) == 2  # once per run
