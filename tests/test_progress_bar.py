@@ -91,3 +91,10 @@ def test_without_tqdm_a_bar_falls_back_to_lines(make_cfg: MakeCfg, tmp_path: Pat
     assert "trainer.progress_bar=true needs tqdm, which is not installed (pip install tqdm)" in log
     assert re.search(r"step 4/4  epoch 0  loss \d\.\d{4}", log)
     assert "\r" not in capsys.readouterr().err
+
+
+def test_summary_lines_leave_nested_records_to_metrics_json() -> None:
+    from runner.loop.progress import fmt
+
+    line = fmt({"val/loss": 0.123456, "step": 20, "run": {"devices": "1 × cpu"}, "best": {"value": 0.1}})
+    assert line == "val/loss 0.1235  step 20"

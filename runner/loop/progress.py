@@ -183,4 +183,7 @@ def interactive() -> bool:
 
 
 def fmt(metrics: dict) -> str:
-    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    """One line of the plain values (numbers, strings, flags); nested records (metrics.json's `run`, `best`) are
+    left to metrics.json."""
+    return "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+                     if not isinstance(v, (dict, list)))
