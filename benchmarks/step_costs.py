@@ -8,7 +8,7 @@ variants in blocks of steps (A B C A B C ...) and reporting the median per step:
     with a DistributedSampler, as benchmarks/handwritten.py fetches it (CPU time of this thread);
   * step: `Loop.train_step` (forward, backward, optimizer, scheduler, metric sums) against the
     hand-written step of handwritten.py (CPU time of this thread);
-  * logging: the loop's step alone, with `Loop._log_train` after every step to a logger that does
+  * logging: the loop's step alone, with a train log (`TrainLog.start`, then `collect`) after every step to a logger that does
     nothing, and to TensorBoard (wall time, and the CPU time of all the process's threads, which also
     counts work a logger hands to a thread of its own, as torch's SummaryWriter does).
 
@@ -158,7 +158,7 @@ def logging_costs(args: argparse.Namespace, batch: tuple) -> tuple[dict[str, flo
                           (NullLogger(), NullLogger(), TensorBoardLogger(tempfile.mkdtemp())))
 
     def logged(loop) -> Callable[[], None]:
-        return lambda: (loop.train_step([batch]), loop._log_train())
+        return lambda: (loop.train_step([batch]), loop.train_log.start(), loop.train_log.collect())
 
     variants = {"loop step, no log": lambda: plain.train_step([batch]),
                 "loop step + log, NullLogger": logged(null), "loop step + log, TensorBoard": logged(board)}
