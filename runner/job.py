@@ -40,8 +40,9 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         return None
     if value not in ("last", "best"):
         return os.path.abspath(str(value))
+    evaluating = cfg.get("stage", "fit") != "fit"  # validate, test, predict: no weights to train from the start
     if (run_dir / "checkpoints").is_dir():
-        return _own_checkpoint(value, run_dir)
+        return _own_checkpoint(value, run_dir, cfg.get("stage") if evaluating else None)
     root = output_root(run_dir)
     found = _runs_of_this_config(cfg, root, f"{value}.ckpt")
     if value == "best" and found:
@@ -54,13 +55,18 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     if value == "best":
         raise ConfigError([f"trainer.ckpt_path=best: no checkpoints/best.ckpt in {run_dir}, nor in a run of this "
                            f"config under {root} (best.ckpt is written by callbacks=model_checkpoint)"])
+    if evaluating:
+        raise ConfigError([f"trainer.ckpt_path=last: no last.ckpt in {run_dir}, nor in a run of this config under "
+                           f"{root}; stage={cfg.stage} needs trained weights: name the file with "
+                           "trainer.ckpt_path=<file>"])
     log.warning("trainer.ckpt_path=last: no last.ckpt in %s, nor under %s from a run of this config; "
                 "training from the start", run_dir, root)
     return None
 
 
-def _own_checkpoint(value: str, run_dir: Path) -> Optional[str]:
-    """`last`/`best` in a run folder with checkpoints/: its own, whatever other runs hold."""
+def _own_checkpoint(value: str, run_dir: Path, evaluating: Optional[str] = None) -> Optional[str]:
+    """`last`/`best` in a run folder with checkpoints/: its own, whatever other runs hold. `evaluating`: the stage
+    (validate, test, predict) that needs one."""
     folder = run_dir / "checkpoints"
     own = folder / f"{value}.ckpt"
     if not own.exists() and value == "last":
@@ -73,6 +79,9 @@ def _own_checkpoint(value: str, run_dir: Path) -> Optional[str]:
     if value == "best":
         raise ConfigError([f"trainer.ckpt_path=best: {run_dir} holds a run but no checkpoints/best.ckpt (best.ckpt "
                            "is written by callbacks=model_checkpoint)"])
+    if evaluating:
+        raise ConfigError([f"trainer.ckpt_path=last: {folder} holds no complete checkpoint; stage={evaluating} needs "
+                           "trained weights: name the file with trainer.ckpt_path=<file>"])
     log.warning("trainer.ckpt_path=last: %s holds no complete checkpoint; training from the start", folder)
     return None
 

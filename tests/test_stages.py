@@ -112,3 +112,12 @@ def test_fit_then_test_on_two_processes_with_async_checkpoints(make_cfg: MakeCfg
     assert two["test/loss"] == pytest.approx(one["test/loss"], rel=1e-5)
     assert two["test/loss"] == pytest.approx(direct(make_cfg(*TEST), tmp_path / "two" / "checkpoints" / "best.ckpt")[1],
                                              rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluating_the_last_checkpoint_of_no_run_is_refused(make_cfg: MakeCfg, tmp_path: Path, stage: str) -> None:
+    """No run of this config has trained: evaluating 'last' would score random weights (fit starts afresh instead)."""
+    cfg = make_cfg(f"stage={stage}", "trainer.ckpt_path=last", "data.test_samples=64")
+    with pytest.raises(ConfigError, match=rf"trainer\.ckpt_path=last: no last\.ckpt .* stage={stage} needs trained"):
+        runner.fit(cfg, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.json").exists() and not (tmp_path / "run" / "predictions.pt").exists()
