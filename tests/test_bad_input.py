@@ -56,6 +56,8 @@ BAD_INPUT = [
     ("limit-above-one", ["trainer.limit_train_batches=1.5"], "trainer.limit_train_batches=1.5 is not allowed"),
     ("zero-val-interval", ["trainer.val_check_interval=0.0"], "trainer.val_check_interval=0.0 is not allowed"),
     ("negative-fast-dev-run", ["trainer.fast_dev_run=-1"], "trainer.fast_dev_run=-1 must be true, false"),
+    ("progress-bar-one", ["trainer.progress_bar=1"], "trainer.progress_bar=1 is not allowed: use auto"),
+    ("progress-bar-maybe", ["trainer.progress_bar=maybe"], "trainer.progress_bar=maybe is not allowed: use auto"),
     ("compile-not-a-setting", ["trainer.compile=fast"], "trainer.compile=fast must be true, false"),
     ("negative-restarts", ["trainer.max_restarts=-1"], "trainer.max_restarts=-1 must be 0"),
     ("zero-ckpt-every", ["trainer.ckpt_every_n_steps=0"], "trainer.ckpt_every_n_steps=0 must be a positive"),

@@ -49,7 +49,8 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
         yield f"trainer.seed={t.seed} must be an integer from 0 to 2**63-1"
     if t.get("peak_tflops") is not None and not 0 < t.peak_tflops < math.inf:
         yield f"trainer.peak_tflops={t.peak_tflops} must be a positive number (one device's TFLOP/s), or null"
-    if t.get("progress_bar", "auto") not in ("auto", True, False):
+    bar = t.get("progress_bar", "auto")
+    if not (isinstance(bar, bool) or bar == "auto"):  # not `in (True, False)`: 1 == True would pass
         yield f"trainer.progress_bar={t.progress_bar} is not allowed: use auto (a bar on a terminal), true or false"
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
