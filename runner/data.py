@@ -335,8 +335,11 @@ class LoaderData:
 
 
 def _own_sampler(loader: DataLoader, what: str, split: str) -> Optional[str]:
-    """Why the runner cannot take `loader`'s data set as it is: a sampler or batch sampler of its own, or none
-    (batch_size=None: no batching)."""
+    """Why the runner cannot take `loader`'s data set as it is: not one DataLoader (several validation loaders), a
+    sampler or batch sampler of its own, or none (batch_size=None: no batching)."""
+    if not isinstance(loader, DataLoader):
+        return (f"{what} gave {type(loader).__name__}, not one DataLoader: the runner reads one loader per stage "
+                f"(for several data sets, concatenate them, or give the one to use as {split}_dataset)")
     if loader.batch_size is None and loader.batch_sampler is None:
         return f"{what} has batch_size=None (no batching): give it a batch size (per process)"
     plain = type(loader.sampler) in _PLAIN_SAMPLERS and not (

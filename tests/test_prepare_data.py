@@ -106,7 +106,9 @@ class _Loaders:
      r"has a sampler of its own \(RandomSampler\)"),
     (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 2, False)),
      r"has a sampler of its own \(BatchSampler\)"),
-], ids=["shuffled", "in-order", "unbatched", "with-replacement", "batch-sampler"])
+    (lambda ds: [DataLoader(ds, batch_size=2), DataLoader(ds, batch_size=2)],
+     r"gave list, not one DataLoader: the runner reads one loader per stage"),
+], ids=["shuffled", "in-order", "unbatched", "with-replacement", "batch-sampler", "several-loaders"])
 def test_what_a_loader_keeps_and_what_it_may_not_have(make, refusal) -> None:
     if refusal is None:
         data = ready(_Loaders(make), "fit")
