@@ -65,7 +65,10 @@ def test_without_entries_one_group_as_before(make_cfg: MakeCfg) -> None:
     ("bias", r"^optimizer\._no_decay_=bias must be a list of names: bias, norm"),
     ("[bias] strategy=fsdp trainer.devices=2", r"^optimizer\._no_decay_=\['bias'\] is not available with "
                                                 r"strategy=fsdp: its checkpoints map"),
-], ids=["unknown-name", "no-norm-layer", "not-a-list", "fsdp"])
+    ("[bias] optimizer=sgd", r"^optimizer\._no_decay_=\['bias'\] exempts parameters from a weight decay of 0"),
+    ("[bias] optimizer.weight_decay=0.0", r"^optimizer\._no_decay_=\['bias'\] exempts parameters from a weight "
+                                          r"decay of 0"),
+], ids=["unknown-name", "no-norm-layer", "not-a-list", "fsdp", "sgd-without-decay", "decay-zero"])
 def test_unusable_settings_are_refused_in_one_line(make_cfg: MakeCfg, entries: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         validate(make_cfg(*f"optimizer._no_decay_={entries}".split()))
@@ -85,3 +88,13 @@ def test_ddp_trains_with_the_two_groups_as_one_process_does(make_cfg: MakeCfg, t
     assert two["step"] == one["step"] == 3
     for name, value in one["model"].items():
         torch.testing.assert_close(two["model"][name], value, rtol=0, atol=1e-6)
+
+
+def test_resuming_with_other_groups_names_the_groups(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    """A checkpoint trained with one group, resumed with _no_decay_'s two: refused, naming the groups (the settings
+    of each group are the same, so naming settings said nothing)."""
+    runner.fit(make_cfg(), run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"the checkpoint's optimizer has 1 parameter group\(s\), this run's 2 "
+                                          r"\(optimizer\._no_decay_ makes a second one\)"):
+        runner.fit(make_cfg("optimizer._no_decay_=[bias]", "trainer.max_steps=5", "trainer.ckpt_path=last"),
+                   run_dir=tmp_path)

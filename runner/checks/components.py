@@ -116,8 +116,8 @@ def check_trainable(cfg: DictConfig) -> Iterator[str]:
 
 
 def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
-    """`optimizer._no_decay_` as a list of names, or a problem: not a list of names, or an optimizer without
-    weight_decay."""
+    """`optimizer._no_decay_` as a list of names, or a problem: not a list of names, an optimizer without
+    weight_decay or with none set (the exemption would change nothing)."""
     node = cfg.optimizer
     value = node.get(NO_DECAY)
     if value is None or (OmegaConf.is_list(value) and len(value) == 0):
@@ -130,6 +130,10 @@ def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
     takes = inspect.isclass(target) and "weight_decay" in (inspect.signature(target).parameters)
     if not takes:
         return [], f"optimizer.{NO_DECAY}={value}: optimizer ({node._target_}) takes no weight_decay to exempt from"
+    decay = node.get("weight_decay", inspect.signature(target).parameters["weight_decay"].default)
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay == 0:
+        return [], (f"optimizer.{NO_DECAY}={value} exempts parameters from a weight decay of 0: set "
+                    "optimizer.weight_decay (e.g. +optimizer.weight_decay=0.01 for sgd), or leave _no_decay_ out")
     if _is_fsdp(cfg):
         return [], (f"optimizer.{NO_DECAY}={value} is not available with strategy=fsdp: its checkpoints map the "
                     "optimizer's state to parameters in the model's order, which two groups change; use strategy=ddp")

@@ -122,7 +122,11 @@ def _check_same_optimizer(optimizer: Any, checkpoint: dict) -> None:
     saved_groups = checkpoint["optimizer"].get("param_groups") or [{}]
     saved, mine = set(saved_groups[0]) - {"params", "initial_lr"}, set(optimizer.param_groups[0]) - {"params",
                                                                                                  "initial_lr"}
-    if saved != mine or len(saved_groups) != len(optimizer.param_groups):
+    if saved == mine and len(saved_groups) != len(optimizer.param_groups):
+        raise ConfigError([f"trainer.ckpt_path: the checkpoint's optimizer has {len(saved_groups)} parameter "
+                           f"group(s), this run's {len(optimizer.param_groups)} (optimizer._no_decay_ makes a second "
+                           "one); resume with the groups it was trained with"])
+    if saved != mine:
         name = checkpoint.get("optimizer_class", "another optimizer")
         raise ConfigError([f"trainer.ckpt_path: the checkpoint holds the state of {name} (settings "
                            f"{', '.join(sorted(saved))}), not of this run's {type(optimizer).__name__} "
