@@ -343,7 +343,8 @@ def _ema_dtype(p: torch.Tensor) -> torch.dtype:
 
 class GradNorm:
     """`train/grad_norm`: the total 2-norm of an optimizer step's gradients before clipping (accumulated over the
-    step's micro-batches and synced over processes), logged at the steps trainer.log_every_n_steps divides.
+    step's micro-batches and synced over processes), logged at the steps trainer.log_every_n_steps divides and at
+    trainer.max_steps; a run that stops elsewhere has no train/grad_norm in metrics.json.
 
     It is taken on those steps only, as a device tensor (with trainer.gradient_clip_val set, the norm clipping
     computes), and read at the step's train log, where the loop syncs anyway: no host sync on other steps.
@@ -354,7 +355,7 @@ class GradNorm:
 
     def on_before_optimizer_step(self, loop: Any, optimizer: Any) -> None:
         step = loop.progress.step + 1  # the step being taken
-        if step % loop.schedule.log_every == 0:
+        if step % loop.schedule.log_every == 0 or step == loop.schedule.max_steps:  # the last step logs too
             clipped = loop.train_step.clip is not None  # the step's own clipping computes it next
             self.norms[step] = None if clipped else _total_norm(loop.task.parameters())
 
@@ -365,7 +366,8 @@ class GradNorm:
     def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
         norm = self.norms.pop(step, None)
         self.norms = {s: n for s, n in self.norms.items() if s > step}
-        if norm is None:
+        if norm is None:  # a log off the grid (a stop): no norm of this window's steps, so no stale one either
+            loop.progress.metrics.pop("train/grad_norm", None)
             return
         value = float(getattr(norm, "full_tensor", lambda: norm)())  # a sharded (FSDP) norm: gathered
         metrics["train/grad_norm"] = loop.progress.metrics["train/grad_norm"] = value

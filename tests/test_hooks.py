@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -127,3 +128,16 @@ def test_grad_norm_is_the_full_steps_norm_before_clipping(make_cfg: MakeCfg, tmp
         assert len(taken) == (0 if "clip" in split else 2)
     ranks = [events(tmp_path / "events", rank)[-1]["grad_norm"] for rank in range(2 if "ddp" in split else 1)]
     assert ranks == [logged[4]] * len(ranks)  # every process holds the same value
+
+
+def test_grad_norm_in_metrics_json_is_the_last_steps_or_none(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    """metrics.json's train/* are the last window's: its grad_norm is the last step's, never an earlier log step's."""
+    common = ("callbacks=grad_norm", "logger=[tensorboard,csv]", "data.num_samples=64", "data.batch_size=64",
+              "trainer.log_every_n_steps=3", "trainer.ckpt_every_n_steps=1")
+    cfg = make_cfg(*common, "trainer.max_steps=7")
+    runner.fit(cfg, run_dir=tmp_path / "ends-off-the-grid")
+    logged = csv_column(tmp_path / "ends-off-the-grid", "train/grad_norm")
+    assert sorted(logged) == [3, 6, 7]
+    final = json.loads((tmp_path / "ends-off-the-grid" / "metrics.json").read_text())["train/grad_norm"]
+    weights = load_checkpoint(tmp_path / "ends-off-the-grid", "step-000006.ckpt")["model"]
+    assert final == logged[7] == pytest.approx(hand_grad_norm(cfg, weights), rel=1e-5)
