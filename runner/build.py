@@ -150,16 +150,18 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
         try:
             with torch.no_grad():
                 module(batch)
-        except TypeError as error:
-            if not re.search(r"forward\(\) (got an unexpected keyword|missing \d+ required)|must be Tensor, not ",
-                             str(error)):
+        except BatchError as error:  # the task's own reading of the batch (its target, its units)
+            return f"task ({cfg.task._target_}) with data ({cfg.data._target_}): {one_line(error)}"
+        except (TypeError, AttributeError) as error:  # AttributeError: the model reads a field the batch lacks
+            if isinstance(error, TypeError) and not re.search(
+                    r"forward\(\) (got an unexpected keyword|missing \d+ required)|must be Tensor, not ", str(error)):
                 return None
             keys = (f" with the keys {', '.join(map(str, batch))}" if isinstance(batch, dict)
                     else f" (each a {type(batch).__name__}, which task=model passes to the model whole)"
                     if not module.task.takes_pairs else "")
             return (f"model ({cfg.model._target_}) cannot be called on the batches of data ({cfg.data._target_})"
                     f"{keys}: {one_line(error)}")
-        except (RuntimeError, ValueError, IndexError, BatchError) as error:
+        except (RuntimeError, ValueError, IndexError) as error:
             if "meta" in str(error).lower():  # an operation the meta device cannot run: not a size problem
                 return None
             return (f"model ({cfg.model._target_}) does not take the batches of data ({cfg.data._target_}): "

@@ -206,14 +206,15 @@ def test_model_task_counts_masked_labels_unshifted_and_samples_as_before() -> No
         {"samples": 8, "units": 8, "loss": 16.0})
 
 
-@pytest.mark.parametrize(("unit", "found"), [("token", r"the batch's 'labels' is tensor \(2,\) int64"),
-                                             ("pixel", r"the batch's 'labels' is tensor \(2,\) int64")])
+@pytest.mark.parametrize(("unit", "why"), [
+    ("token", r" and the batch's 'labels' is tensor \(2,\) int64, so its units cannot be counted .*return 'count' "
+              r"from the model, or use task\.unit=sample"),
+    ("pixel", r", and only samples and tokens are counted without one; return 'count' from the model, or use "
+              r"task\.unit=sample or token")])
 def test_a_unit_the_batch_cannot_count_is_refused_before_start_not_counted_as_samples(tmp_path: Path, unit: str,
-                                                                                       found: str) -> None:
+                                                                                       why: str) -> None:
     cfg = compose_config([*RUN, "experiment=hf_style", f"task.unit={unit}"])
-    with pytest.raises(ConfigError, match=rf"task\.unit={unit}: the model returned no 'count' and {found}, so its "
-                                          r"units cannot be counted .*return 'count' from the model, or use "
-                                          r"task\.unit=sample"):
+    with pytest.raises(ConfigError, match=rf"task\.unit={unit}: the model returned no 'count'{why}"):
         runner.fit(cfg, run_dir=tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
@@ -306,3 +307,14 @@ def test_tiny_bert_counts_its_masked_tokens(tmp_path: Path) -> None:
     metrics = saved_metrics(tmp_path)
     assert metrics["val/loss"] == pytest.approx(total / tokens, rel=1e-5)
     assert metrics["val/perplexity"] == pytest.approx(math.exp(total / tokens), rel=1e-5)
+
+
+def test_a_model_that_cannot_read_what_task_model_passes_is_one_line_before_start(tmp_path: Path) -> None:
+    """charlm's model takes token ids; task=model hands it the whole batch: refused naming both, not a traceback at
+    the first step."""
+    cfg = compose_config([*RUN, "experiment=charlm", "task=model", "task.unit=token"])
+    with pytest.raises(ConfigError, match=r"model \(runner\.examples\.charlm\.CharTransformer\) cannot be called on "
+                                          r"the batches of data \(runner\.examples\.charlm\.StdlibText\) .*task=model "
+                                          r"passes to the model whole\): AttributeError"):
+        runner.fit(cfg, run_dir=tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

@@ -92,8 +92,11 @@ class ModelTask(Task):
             return leading_size(batch)
         fields = as_mapping(batch)
         labels = fields.get(self.target_key) if fields is not None else None
-        if plural(self.unit) != "tokens" or not (isinstance(labels, torch.Tensor) and labels.dim() >= 2
-                                                   and not labels.is_floating_point()):
+        if plural(self.unit) != "tokens":
+            raise BatchError(f"task.unit={self.unit}: the model returned no 'count', and only samples and tokens "
+                             "are counted without one; return 'count' from the model, or use task.unit=sample or "
+                             "token")
+        if not (isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point()):
             found = f"the batch's {self.target_key!r} is {describe(labels)}" if fields is not None else \
                 f"the batch is {describe(batch)}"
             raise BatchError(f"task.unit={self.unit}: the model returned no 'count' and {found}, so its units cannot "
