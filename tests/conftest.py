@@ -161,6 +161,17 @@ def _restore_global_state():
     GlobalHydra.instance().clear()
 
 
+def val_loss_of(cfg: DictConfig, weights: dict) -> float:
+    """The mean cross-entropy of `weights` over the config's whole validation set, computed by hand."""
+    from runner.build import build_data, build_model
+
+    model = build_model(cfg)
+    model.load_state_dict(weights)
+    data = build_data(cfg).val_dataset
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(data.inputs), data.targets).item()
+
+
 def load_checkpoint(run_dir: Path, name: str = "last.ckpt") -> dict:
     return torch.load(Path(run_dir) / "checkpoints" / name, map_location="cpu", weights_only=True)
 

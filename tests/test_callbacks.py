@@ -7,16 +7,13 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
 import runner
 from _dist import clean_environ, run_cli
-from conftest import TINY, compose_config, load_checkpoint, read_events
+from conftest import TINY, compose_config, load_checkpoint, read_events, val_loss_of
 from runner.callbacks import CallbackError
 from runner.config import ConfigError
-from runner.build import build_data, build_model
 from runner.checks import validate
 
 MakeCfg = Callable[..., DictConfig]
@@ -36,14 +33,6 @@ def all_scalars(run_dir: Path, tag: str) -> list:
         accumulator.Reload()
         events += accumulator.Scalars(tag) if tag in accumulator.Tags()["scalars"] else []
     return events
-
-
-def val_loss_of(cfg: DictConfig, state: dict) -> float:
-    model = build_model(cfg)
-    model.load_state_dict(state)
-    data = build_data(cfg).val_dataset
-    with torch.no_grad():
-        return F.cross_entropy(model(data.inputs), data.targets).item()
 
 
 @pytest.mark.slow

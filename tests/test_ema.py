@@ -8,26 +8,16 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
 import runner
-from conftest import load_checkpoint, read_events
-from runner.build import build_data, build_model
+from conftest import load_checkpoint, read_events, val_loss_of
 from runner.checks import validate
 from runner.config import ConfigError
 
 MakeCfg = Callable[..., DictConfig]
 EMA = ("callbacks=[ema,model_checkpoint]", "callbacks.ema.decay=0.5", "callbacks.ema.every_n_steps=2",
        "trainer.max_steps=4", "trainer.ckpt_every_n_steps=1", "trainer.val_check_interval=2", "optimizer.lr=0.05")
-
-
-def val_loss_of(cfg: DictConfig, weights: dict) -> float:
-    model = build_model(cfg)
-    model.load_state_dict(weights)
-    data = build_data(cfg).val_dataset
-    with torch.no_grad():
-        return F.cross_entropy(model(data.inputs), data.targets).item()
 
 
 def saved(run_dir: Path, step: int) -> tuple[dict, dict]:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, open_dict
 import runner
 from conftest import TINY, compose_config, load_checkpoint, read_events
 from lm_fixtures import IGNORE, CountingCausalLM, PaddedSequences, TinyCausalLM
+from runner.build import build_data, build_model
 from runner.checks import validate
 from runner.config import ConfigError
 from runner.precision import Precision
@@ -250,11 +251,9 @@ def gpt2_cfg(*overrides: str) -> DictConfig:
 
 
 def gpt2_hand_val_loss(cfg: DictConfig, run_dir: Path) -> float:
-    from runner.examples.hf_lm import MarkovTokens, tiny_gpt2
-
-    model = tiny_gpt2(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    model = build_model(cfg)
     model.load_state_dict(load_checkpoint(run_dir)["model"])
-    data = MarkovTokens(**{k: v for k, v in cfg.data.items() if k != "_target_"})
+    data = build_data(cfg)
     total = tokens = 0.0
     with torch.no_grad():
         for sample in data.val_dataset:
@@ -289,14 +288,14 @@ def test_tiny_gpt2_under_either_task_gives_the_hand_computed_per_token_loss(tmp_
 def test_tiny_bert_counts_its_masked_tokens(tmp_path: Path) -> None:
     """BERT's labels are not its input ids: task=model task.unit=token counts every masked label, unshifted."""
     pytest.importorskip("transformers")
-    from runner.examples.hf_lm import IGNORE as HF_IGNORE, MarkovTokens, tiny_bert
+    from runner.examples.hf_lm import IGNORE as HF_IGNORE
 
     cfg = compose_config([*RUN, "experiment=tiny_bert", "trainer.max_steps=3", "data.num_samples=48",
                           "data.val_samples=21", "data.batch_size=8"])  # validation batches of different sizes
     runner.fit(cfg, run_dir=tmp_path)
-    model = tiny_bert(**{k: v for k, v in cfg.model.items() if k != "_target_"})
+    model = build_model(cfg)
     model.load_state_dict(load_checkpoint(tmp_path)["model"])
-    data = MarkovTokens(**{k: v for k, v in cfg.data.items() if k != "_target_"})
+    data = build_data(cfg)
     total = tokens = 0.0
     with torch.no_grad():
         for sample in data.val_dataset:
