@@ -17,7 +17,6 @@ from runner.data import ready, val_loader
 
 log = logging.getLogger("runner")
 STAGES = ("fit", "validate", "test", "predict")
-RUN_INFO = "run info"  # the callbacks' name of the RunInfo the worker adds
 _STRATEGY_NAMES = {"SingleDeviceStrategy": "single", "DataParallelStrategy": "dp", "DDPStrategy": "ddp",
                    "FSDPStrategy": "fsdp"}
 
@@ -45,23 +44,6 @@ def run_line(info: dict) -> str:
     backend = "no process group" if info["backend"] == "none" else info["backend"]
     return (f"devices: {info['devices_per_node']} × {info['accelerator']}{name}{nodes} ({backend}), precision "
             f"{info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
-
-
-class RunInfo:
-    """Puts `run_info` under `run` in the result (metrics.json) of every stage."""
-
-    def __init__(self, info: dict) -> None:
-        self.info = info
-
-    def on_fit_end(self, loop: Any, result: dict) -> None:
-        result["run"] = dict(self.info)
-
-
-def _with_run_info(loop: Any, result: dict) -> dict:
-    info = loop.callbacks.by_name.get(RUN_INFO)
-    if info is not None:
-        info.on_fit_end(loop, result)
-    return result
 
 
 def dev_run_only(callbacks: Any, batches: int, announce: bool) -> None:
@@ -120,7 +102,7 @@ def evaluate(split: str) -> Callable[[Any, Any], dict]:
     def run(loop: Any, data: Any) -> dict:
         loader = _loader(loop, data, split, "validate" if split == "val" else split)
         metrics = loop.evaluate(split, loader, _dev_batches(loop))
-        result = _with_run_info(loop, {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch})
+        result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
         loop.write_result(result)
         return result
     return run
@@ -138,8 +120,7 @@ def predict(loop: Any, data: Any) -> dict:
         TorchCheckpointIO().save_checkpoint({"predictions": stacked}, path)  # atomic, and written when it returns
         log.info("wrote %d predictions to %s", len(predictions), path)
     loop.strategy.barrier("predict")
-    result = _with_run_info(loop, {"step": loop.progress.step, "predictions": str(path),
-                                   "num_predictions": len(predictions)})
+    result = {"step": loop.progress.step, "predictions": str(path), "num_predictions": len(predictions)}
     loop.write_result(result)
     return result
 

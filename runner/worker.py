@@ -170,9 +170,9 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     callbacks = build.build_callbacks(cfg)
     if dev_run:
         stages.dev_run_only(callbacks, int(cfg.trainer.fast_dev_run), strategy.is_global_zero)
-    callbacks.by_name[stages.RUN_INFO] = stages.RunInfo(info)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
-                logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks)
+                logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks,
+                run_info=info)
     heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path

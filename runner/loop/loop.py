@@ -37,11 +37,13 @@ class Loop:
 
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
                  val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], int],
-                 hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None) -> None:
+                 hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None,
+                 run_info: Optional[dict] = None) -> None:
         self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
         self.precision = strategy.precision
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
         self.cfg, self.run_dir, self.hparams = trainer_cfg, run_dir, hparams
+        self.run_info = run_info  # what ran where (runner.stages.run_info): `run` in every stage's metrics.json
         self.schedule = s = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * s.accumulate
@@ -125,7 +127,7 @@ class Loop:
             self._validate()
         if self.schedule.save:
             state.save(self, periodic=False)
-        result = results.fit_result(self.progress, self._signalled, self._stop_reason)
+        result = self._with_run_info(results.fit_result(self.progress, self._signalled, self._stop_reason))
         self.callbacks.call("on_fit_end", self, result)
         self.strategy.checkpoint_io.wait()  # metrics.json never names a step whose checkpoint is not on disk
         if self.strategy.is_global_zero:
@@ -211,7 +213,12 @@ class Loop:
         state.load_weights(self, checkpoint)
 
     def write_result(self, result: dict) -> None:
-        results.write_result(self.run_dir, result, self.strategy.is_global_zero)
+        results.write_result(self.run_dir, self._with_run_info(result), self.strategy.is_global_zero)
+
+    def _with_run_info(self, result: dict) -> dict:
+        if self.run_info is not None:
+            result["run"] = dict(self.run_info)
+        return result
 
     def save_checkpoint(self, path: Path, state: Optional[dict] = None) -> None:
         """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
