@@ -1,0 +1,85 @@
+"""The loaders the loop reads: each process's share of the global order, with the data's loader settings."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from runner.data.batches import collate
+from runner.data.modules import LoaderData
+from runner.data.order import EvalSampler, TrainSampler
+
+# Samples a check collates, at most: enough to meet differing shapes, few enough to read in microseconds.
+FIRST_SAMPLES = 4
+
+
+def first_batch_problem(data: Any, split: str) -> Optional[str]:
+    """Why the first samples of `data.<split>_dataset` do not form a batch as the loader forms it, or None."""
+    dataset = getattr(data, f"{split}_dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    settings = _settings(data, split)
+    indices = list(range(min(FIRST_SAMPLES, settings["batch_size"], len(dataset))))
+    custom = settings["collate_fn"] if settings["collate_fn"] is not collate else None
+    try:  # as the loader fetches: the whole batch at once where the data set can
+        samples = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
+    except Exception as error:  # noqa: BLE001 - any failure to read a sample is the data's to fix
+        return f"reading samples {indices} of {split}_dataset fails: {_first_line(error)}"
+    try:
+        (custom or collate)(samples)
+    except Exception as error:  # noqa: BLE001
+        how, fix = (("its collate_fn", "fix data.collate_fn") if custom is not None
+                    else ("the default collate", "give the data a collate_fn that batches them"))
+        return (f"the first {len(indices)} samples of {split}_dataset do not form a batch with {how}: "
+                f"{_first_line(error)}; {fix}")
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _settings(data: Any, split: str) -> dict:
+    """The loader settings of `split`: a LoaderData's, taken from that split's own DataLoader, or the data's."""
+    given = data.split_settings.get(split) if isinstance(data, LoaderData) else None
+    return given or {"batch_size": data.batch_size, "collate_fn": getattr(data, "collate_fn", collate),
+                     "num_workers": int(getattr(data, "num_workers", 0)),
+                     "pin_memory": bool(getattr(data, "pin_memory", False))}
+
+
+def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int) -> DataLoader:
+    settings = _settings(data, split)
+    workers = settings["num_workers"]
+    return DataLoader(
+        getattr(data, f"{split}_dataset"),
+        batch_size=settings["batch_size"],
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=workers,
+        # Pinned memory only speeds up copies to a GPU; without one torch warns and ignores it.
+        pin_memory=settings["pin_memory"] and torch.cuda.is_available(),
+        persistent_workers=workers > 0,
+        collate_fn=settings["collate_fn"],
+        # The loader's own generator keeps the global RNG untouched, so resuming mid-epoch is exact.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> DataLoader:
+    kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
+    sampler = TrainSampler(data.train_dataset, _settings(data, "train")["batch_size"], seed=seed, **kwargs)
+    return _loader(data, "train", sampler, drop_last=True, seed=seed)
+
+
+def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str = "val") -> Optional[DataLoader]:
+    """The loader of `<split>_dataset` (val, test or predict): every sample once over the processes, in order."""
+    dataset = getattr(data, f"{split}_dataset", None)
+    if dataset is None or len(dataset) == 0:
+        return None
+    kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
+    return _loader(data, split, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)
+
+

@@ -1,0 +1,127 @@
+"""Data modules: `prepare_data()` once per node, `setup(stage)` in every process, and DataLoaders read whole."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate
+
+from runner.data.batches import collate
+
+# The splits each stage reads (fit tests afterwards, when the data has a test split: see `ready`).
+STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
+def is_data_module(data: Any) -> bool:
+    """Whether the data makes its data sets in prepare_data()/setup(), as a LightningDataModule does: they exist
+    only once the worker has called them."""
+    return any(callable(getattr(data, name, None)) for name in ("prepare_data", "setup"))
+
+
+def prepare(data: Any, strategy: Any, stage: str) -> Any:
+    """A LightningDataModule's order: `prepare_data()` once per node (its local rank 0; the other processes wait),
+    then `setup(stage)` in every process; the data the runner's loaders read comes back (see `ready`)."""
+    if callable(getattr(data, "prepare_data", None)):
+        _once_per_node(data.prepare_data, strategy, per_node=getattr(data, "prepare_data_per_node", True))
+    return ready(data, stage)
+
+
+def ready(data: Any, stage: str) -> Any:
+    """`data` after `setup(stage)` (where it has one): itself, or, when it gives DataLoaders for the stage's splits
+    (`train_dataloader()`, ...) instead of data sets, a LoaderData of them."""
+    source = data.source if isinstance(data, LoaderData) else data
+    if callable(getattr(source, "setup", None)):
+        source.setup(stage)
+    splits = STAGE_SPLITS[stage]
+    gives_loaders = any(getattr(source, f"{split}_dataset", None) is None and _loader_method(source, split)
+                        for split in splits)
+    return LoaderData(source, splits) if gives_loaders else source
+
+
+def _loader_method(source: Any, split: str) -> Optional[Callable[[], Any]]:
+    """`source.<split>_dataloader`, unless it is Lightning's placeholder (its DataHooks' raise when not overridden)."""
+    name = f"{split}_dataloader"
+    owner = next((cls for cls in type(source).__mro__ if name in vars(cls)), None)
+    method = getattr(source, name, None)
+    return method if callable(method) and not (owner is not None and owner.__name__ == "DataHooks") else None
+
+
+def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: bool) -> None:
+    """Call `prepare_data` in one process per node (or of the job, `per_node` False) while the others wait; a
+    failure there ends every process (the others with a line that points to it)."""
+    chosen = strategy is None or (strategy.local_rank if per_node else strategy.global_rank) == 0
+    error: Optional[BaseException] = None
+    if chosen:
+        try:
+            prepare_data()
+        except Exception as raised:  # noqa: BLE001 - re-raised below, after the others know
+            error = raised
+    failed = strategy.reduce_boolean_decision(error is not None, all=False) if strategy is not None else False
+    if error is not None:
+        raise error
+    if failed:  # a consequence, said without a traceback: the launcher reports the cause
+        from runner.errors import WorkerFailed
+
+        where = "local rank 0 of a node" if per_node else "global rank 0"
+        raise WorkerFailed(strategy.global_rank, f"data.prepare_data() failed on {where}; that process's log has "
+                                                 "the error")
+
+
+_PLAIN_SAMPLERS = (RandomSampler, SequentialSampler)  # what DataLoader(shuffle=True/False) makes itself
+
+
+class LoaderData:
+    """The data sets of a data object's DataLoaders (`<split>_dataloader()`, as a LightningDataModule gives them),
+    with each loader's batch_size, collate_fn, num_workers and pin_memory.
+
+    The runner's own samplers take each process's share (the same global batches on any number of processes,
+    every evaluation sample once, an exact resume), so a loader's shuffle, drop_last and other settings are not
+    kept, and a loader with a sampler of its own is refused.
+    """
+
+    def __init__(self, source: Any, splits: tuple[str, ...]) -> None:
+        from runner.config import ConfigError
+
+        self.source = source
+        self.split_settings: dict[str, dict] = {}
+        for split in splits:
+            dataset = getattr(source, f"{split}_dataset", None)
+            make = _loader_method(source, split)
+            loader = make() if dataset is None and make is not None else None
+            if dataset is not None or loader is None:
+                setattr(self, f"{split}_dataset", dataset)
+                continue
+            problem = _own_sampler(loader, f"data ({type(source).__name__}): {split}_dataloader()", split)
+            if problem:
+                raise ConfigError([problem])
+            setattr(self, f"{split}_dataset", loader.dataset)
+            # torch's default collate is the runner's, which also passes a batch fetched whole (__getitems__)
+            own_collate = loader.collate_fn if loader.collate_fn is not default_collate else collate
+            self.split_settings[split] = {"batch_size": loader.batch_size, "collate_fn": own_collate,
+                                          "num_workers": loader.num_workers, "pin_memory": loader.pin_memory}
+        first = next(iter(self.split_settings.values()), {})  # what a data set given as such is read with
+        self.batch_size = first.get("batch_size", getattr(source, "batch_size", None))
+        self.collate_fn = first.get("collate_fn", getattr(source, "collate_fn", collate))
+        self.num_workers = first.get("num_workers", getattr(source, "num_workers", 0))
+        self.pin_memory = first.get("pin_memory", getattr(source, "pin_memory", False))
+
+
+def _own_sampler(loader: DataLoader, what: str, split: str) -> Optional[str]:
+    """Why the runner cannot take `loader`'s data set as it is: not one DataLoader (several validation loaders), a
+    sampler or batch sampler of its own, or none (batch_size=None: no batching)."""
+    if not isinstance(loader, DataLoader):
+        return (f"{what} gave {type(loader).__name__}, not one DataLoader: the runner reads one loader per stage "
+                f"(for several data sets, concatenate them, or give the one to use as {split}_dataset)")
+    if loader.batch_size is None and loader.batch_sampler is None:
+        return f"{what} has batch_size=None (no batching): give it a batch size (per process)"
+    plain = type(loader.sampler) in _PLAIN_SAMPLERS and not (
+        isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
+                                                       or loader.sampler._num_samples is not None))
+    # DataLoader's batch_size is None exactly when it was given a batch_sampler
+    own = loader.sampler if not plain else loader.batch_sampler if loader.batch_size is None else None
+    if own is None:
+        return None
+    return (f"{what} has a sampler of its own ({type(own).__name__}); the runner's samplers take each "
+            "process's samples (exact metrics over processes, the same global batches on any number of them), so "
+            f"give a DataLoader without sampler or batch_sampler, or the data set itself as {split}_dataset")
