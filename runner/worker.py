@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner import heartbeat
 from runner import build
 from runner import stages
-from runner.data import STAGE_SPLITS, train_loader, val_loader
+from runner.data import STAGE_SPLITS, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.logs import apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
@@ -186,6 +186,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
             loop.load_weights(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
         return stages.RUN[stage](loop, data)
     finally:
+        close_loaders(train, val)
         logger.finalize()
 
 

@@ -83,3 +83,15 @@ def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str 
     return _loader(data, split, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)
 
 
+
+
+def close(*loaders: Optional[DataLoader]) -> None:
+    """End the loader worker processes of `loaders` now. torch ends a persistent loader's workers when its iterator
+    is freed; freed by the cycle collector (the loop's objects refer to each other), the iterator's queues are
+    closed before it asks its workers to stop, and each worker then waits out a 5 s join: 20 s at the end of a run
+    with two loaders of two workers. Freed here, while whole, they stop at once."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None:
+            loader._iterator = None  # the last reference: torch's own __del__ shuts the workers down
+            del iterator
