@@ -90,6 +90,7 @@ class _ProcessesConfig:
     timeout: float = 1800  # seconds any collective may wait
     start_method: str = "popen"  # popen | spawn | fork
     stall_timeout: Optional[float] = 300  # seconds a rank may make no progress; null or 0: not watched
+    sync_batchnorm: bool = False  # batch-norm statistics over the global batch instead of each process's share
 
 
 @dataclass

@@ -16,6 +16,7 @@ from runner.accelerators import Accelerator
 from runner.checkpoint_io import CheckpointIO
 from runner.environments import ClusterEnvironment, LocalEnvironment
 from runner.precision import Precision
+from runner.strategies import sync_batchnorm
 from runner.strategies.strategy import Strategy, T, WorkerProcesses
 
 StartMethod = Literal["popen", "spawn", "fork"]
@@ -33,7 +34,11 @@ STALL_SHARE, STALL_FLOOR_S = 0.8, 10.0
 
 
 class DDPStrategy(Strategy):
-    """`start_method` says how the launcher creates local processes; extra keyword arguments go to DDP."""
+    """`start_method` says how the launcher creates local processes; extra keyword arguments go to DDP.
+
+    `sync_batchnorm`: the model's batch-norm layers compute their statistics over the global batch (all processes'
+    shares together), so N processes x batch B train as 1 process x N*B does; without it, over each process's share.
+    """
 
     def __init__(
         self,
@@ -46,6 +51,7 @@ class DDPStrategy(Strategy):
         timeout: Union[datetime.timedelta, float, int] = datetime.timedelta(seconds=1800),
         start_method: StartMethod = "popen",
         stall_timeout: Optional[float] = 300,
+        sync_batchnorm: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
@@ -63,6 +69,7 @@ class DDPStrategy(Strategy):
         self.start_method = start_method
         # Seconds a launched rank may go without progress before the launcher ends the job naming it.
         self.stall_timeout = stall_timeout or None
+        self.sync_batchnorm = sync_batchnorm
         self._host_group: Any = None  # a gloo group for host-side votes (the process group itself under gloo)
         self._ddp_kwargs = kwargs
 
@@ -146,6 +153,7 @@ class DDPStrategy(Strategy):
         return dist.PrefixStore(f"runner/attempt_{attempt}", store)
 
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        module = self._batchnorm(module)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         try:
             return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
@@ -155,6 +163,15 @@ class DDPStrategy(Strategy):
             settings = ", ".join(f"strategy.{k}={v!r}" for k, v in self._ddp_kwargs.items())
             message = " ".join(str(error).split("Invoked with")[0].split())
             raise ConfigError([f"DistributedDataParallel does not accept {settings}: {message}"]) from None
+
+    def _batchnorm(self, module: nn.Module) -> nn.Module:
+        """Before wrapping: batch norm over the global batch under `sync_batchnorm`; else, with several processes,
+        one warning (rank 0) that its statistics are each process's own."""
+        if self.sync_batchnorm:
+            return sync_batchnorm.convert(module, self.root_device, self.world_size, report=self.is_global_zero)
+        if self.is_global_zero:
+            sync_batchnorm.warn_per_process(module, self.world_size)
+        return module
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

@@ -12,6 +12,7 @@ from torch.nn import DataParallel
 from runner.accelerators import Accelerator
 from runner.checkpoint_io import CheckpointIO
 from runner.precision import Precision
+from runner.strategies import sync_batchnorm
 from runner.strategies.strategy import Strategy, move_to_device
 from runner.tree import apply_to_tensors
 
@@ -65,6 +66,7 @@ class DataParallelStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Wrap in DataParallel on CUDA; DataParallel on the CPU would only add a layer that does nothing."""
+        sync_batchnorm.warn_per_device(module, len(self.parallel_devices))
         if self.root_device.type == "cuda":
             module = DataParallel(
                 module,

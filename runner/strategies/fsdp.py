@@ -37,7 +37,7 @@ class FSDPStrategy(DDPStrategy):
     `shard`: class names of the submodules that become their own FSDP unit (gathered and freed together), or
     `auto`: every block of the model's first `nn.Sequential`/`nn.ModuleList` holding two or more blocks with
     parameters. The model itself is always the root unit. `activation_checkpointing`: class names of the
-    submodules whose activations are recomputed in the backward pass instead of kept.
+    submodules whose activations are recomputed in the backward pass instead of kept. `sync_batchnorm`: as DDP's.
     `state_dict_type=sharded` saves a folder of every process's shards; `full` one file, as DDP does.
     """
 
@@ -57,9 +57,10 @@ class FSDPStrategy(DDPStrategy):
         activation_checkpointing: Optional[list[str]] = None,
         state_dict_type: StateDictType = "sharded",
         stall_timeout: Optional[float] = 300,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-                         process_group_backend, timeout, start_method, stall_timeout)
+                         process_group_backend, timeout, start_method, stall_timeout, sync_batchnorm)
         shard = as_names(shard) if shard != "auto" else shard
         activation_checkpointing = as_names(activation_checkpointing) if activation_checkpointing else []
         problems = settings_problems(shard, activation_checkpointing, state_dict_type, self.precision)
@@ -95,6 +96,7 @@ class FSDPStrategy(DDPStrategy):
 
         # Strategies wrap the TaskModule; its `model` is the user's module, whose state checkpoints hold. The
         # model is the root unit, so calling it (training, validation, predict) gathers its parameters.
+        module = self._batchnorm(module)  # before sharding: the converted layers' parameters are sharded
         model = getattr(module, "model", module)
         wrapped = apply_activation_checkpointing(model, self.activation_checkpointing)
         units = shard_units(model, self.shard)
