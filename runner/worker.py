@@ -28,12 +28,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner import heartbeat
 from runner import build
 from runner import stages
-from runner.data import STAGE_SPLITS, close_loaders, train_loader, val_loader
+from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.logs import apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
+from runner.loop.progress import loader_length
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
@@ -165,7 +166,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
     train, val = _loaders(data, sampler_kwargs, cfg.trainer.seed, cfg.get("stage", "fit"))
     # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
-    total_steps = make_schedule(cfg.trainer, len(train), len(val) if val is not None else 0).total_steps
+    total_steps = make_schedule(cfg.trainer, train.batches, loader_length(val) if val is not None else 0).total_steps
     hparams = {**flatten(OmegaConf.to_container(cfg, resolve=True)), **flatten(info, "run/")}
     callbacks = build.build_callbacks(cfg)
     if dev_run:
@@ -199,7 +200,8 @@ def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any
     stand_in = val_loader(data, sampler_kwargs, seed, split)
     if stand_in is None:
         raise stages.missing_split(data, split, stage)
-    return stand_in, val_loader(data, sampler_kwargs, seed)
+    size = stand_in.batch_size or data.batch_size  # a stream's share batches by itself
+    return TrainBatches(stand_in, size, None, {}), val_loader(data, sampler_kwargs, seed)
 
 
 _TEMPORARY = re.compile(r"\.tmp-(\d+)(-[0-9a-f]+)?$")  # what atomic writes name their file until the rename

@@ -103,19 +103,6 @@ class LightningShaped(DataHooks, LoaderDataModule):
     val_dataloader = LoaderDataModule.val_dataloader
 
 
-class OwnSampler:
-    """A DataLoader with a sampler of its own, which the runner cannot split over processes exactly."""
-
-    def __init__(self, folder: str = "", batch_size: int = 16, num_features: int = 8, num_samples: int = 128) -> None:
-        self.dataset = _pairs(num_samples, num_features, seed=0)
-        self.batch_size = batch_size
-
-    def train_dataloader(self) -> DataLoader:
-        weights = torch.ones(len(self.dataset))
-        return DataLoader(self.dataset, batch_size=self.batch_size,
-                          sampler=torch.utils.data.WeightedRandomSampler(weights, len(self.dataset)))
-
-
 class StagedDataModule(CountingDataModule):
     """Makes only what each stage reads, as LightningDataModules often do: train and val for fit, test for test."""
 

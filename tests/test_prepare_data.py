@@ -76,12 +76,6 @@ def test_lightnings_unimplemented_hooks_are_no_split(tmp_path: Path) -> None:
     assert metrics["step"] == 3 and "val/loss" in metrics and "tested" not in metrics
 
 
-def test_a_loader_with_its_own_sampler_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"\n  - data \(OwnSampler\): train_dataloader\(\) has a sampler of its own "
-                                          r"\(WeightedRandomSampler\); the runner's samplers"):
-        validate(_cfg(tmp_path, "OwnSampler"))
-
-
 def test_a_failed_download_ends_every_process(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="cannot reach the download server"):
         runner.fit(_cfg(tmp_path, "FailingDownload", *DDP2), run_dir=tmp_path / "run")
@@ -102,10 +96,9 @@ class _Loaders:
     (lambda ds: DataLoader(ds, batch_size=2, shuffle=True), None),
     (lambda ds: DataLoader(ds, batch_size=2), None),
     (lambda ds: DataLoader(ds, batch_size=None), r"has batch_size=None \(no batching\)"),
-    (lambda ds: DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, replacement=True)),
-     r"has a sampler of its own \(RandomSampler\)"),
+    (lambda ds: DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, replacement=True)), None),
     (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 2, False)),
-     r"has a sampler of its own \(BatchSampler\)"),
+     r"has a batch sampler of its own \(BatchSampler\): batches it composes cannot be split"),
     (lambda ds: [DataLoader(ds, batch_size=2), DataLoader(ds, batch_size=2)],
      r"gave list, not one DataLoader: the runner reads one loader per stage"),
 ], ids=["shuffled", "in-order", "unbatched", "with-replacement", "batch-sampler", "several-loaders"])
@@ -113,8 +106,11 @@ def test_what_a_loader_keeps_and_what_it_may_not_have(make, refusal) -> None:
     if refusal is None:
         data = ready(_Loaders(make), "fit")
         assert data.train_dataset is data.source.dataset and data.batch_size == 2
-        assert data.split_settings["train"] == {"batch_size": 2, "collate_fn": collate, "num_workers": 0,
-                                                "pin_memory": False}
+        own = make(data.source.dataset).sampler  # a training sampler of its own is the global order
+        taken = own if isinstance(own, RandomSampler) and own.replacement else None
+        settings = data.split_settings["train"]
+        assert type(settings.pop("sampler")) is type(taken)
+        assert settings == {"batch_size": 2, "collate_fn": collate, "num_workers": 0, "pin_memory": False}
         return
     with pytest.raises(ConfigError, match=r"data \(_Loaders\): train_dataloader\(\) " + refusal):
         ready(_Loaders(make), "fit")

@@ -52,6 +52,9 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     bar = t.get("progress_bar", "auto")
     if not (isinstance(bar, bool) or bar == "auto"):  # not `in (True, False)`: 1 == True would pass
         yield f"trainer.progress_bar={t.progress_bar} is not allowed: use auto (a bar on a terminal), true or false"
+    if t.get("data_resume", "exact") not in ("exact", "restart"):
+        yield (f"trainer.data_resume={t.data_resume} is not allowed: use exact (continue the data where the "
+               "checkpoint stopped) or restart (its epoch from the first batch)")
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
                "e.g. trainer.compile={mode:max-autotune}")

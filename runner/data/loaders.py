@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from runner.data.batches import collate
 from runner.data.modules import LoaderData
-from runner.data.order import EvalSampler, TrainSampler
+from runner.data.order import Drawn, EvalSampler, Shuffled, TrainSampler
+from runner.data.streams import StreamShare, is_stream
 
 # Samples a check collates, at most: enough to meet differing shapes, few enough to read in microseconds.
 FIRST_SAMPLES = 4
@@ -18,7 +20,7 @@ FIRST_SAMPLES = 4
 def first_batch_problem(data: Any, split: str) -> Optional[str]:
     """Why the first samples of `data.<split>_dataset` do not form a batch as the loader forms it, or None."""
     dataset = getattr(data, f"{split}_dataset", None)
-    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+    if dataset is None or is_stream(dataset) or len(dataset) == 0:
         return None
     settings = _settings(data, split)
     indices = list(range(min(FIRST_SAMPLES, settings["batch_size"], len(dataset))))
@@ -68,21 +70,71 @@ def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int)
     )
 
 
-def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> DataLoader:
+def _as_is(batch: Any) -> Any:
+    return batch  # a stream's share comes collated
+
+
+def _stream_loader(share: StreamShare, settings: dict, seed: int) -> DataLoader:
+    """A share's batches, made in its loader workers: not persistent ones, which would keep the epoch and the start
+    they were made with."""
+    return DataLoader(share, batch_size=None, num_workers=settings["num_workers"],
+                      pin_memory=settings["pin_memory"] and torch.cuda.is_available(), collate_fn=_as_is,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+class TrainBatches:
+    """What the loop reads of its training data: this process's batches (a DataLoader), their size, how many an
+    epoch has (`batches`, math.inf for a stream of unknown length), and `identity`, what a checkpoint's position
+    in them means (the order's kind and its samples per epoch)."""
+
+    def __init__(self, loader: DataLoader, batch_size: int, position: Any, identity: dict) -> None:
+        self.loader, self.batch_size, self._position, self.identity = loader, batch_size, position, identity
+
+    @property
+    def batches(self) -> float:
+        try:
+            return len(self.loader)
+        except TypeError:  # a stream that does not say its length
+            return math.inf
+
+    def epoch(self, epoch: int, start_batch: int) -> Iterator[Any]:
+        """The batches of `epoch` from its `start_batch`-th on."""
+        self._position.set_epoch(epoch)
+        self._position.start_batch = start_batch
+        return iter(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> TrainBatches:
+    """This process's share of each global batch: of a stream, a user's sampler's order, or a shuffle of the set."""
     kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
-    sampler = TrainSampler(data.train_dataset, _settings(data, "train")["batch_size"], seed=seed, **kwargs)
-    return _loader(data, "train", sampler, drop_last=True, seed=seed)
+    settings, dataset = _settings(data, "train"), data.train_dataset
+    batch_size = settings["batch_size"]
+    if is_stream(dataset):
+        share = StreamShare(dataset, batch_size, collate_fn=settings["collate_fn"], whole=True, **kwargs)
+        return TrainBatches(_stream_loader(share, settings, seed), batch_size, share,
+                            {"order": f"stream {type(dataset).__name__}", "samples": share.size})
+    own = settings.get("sampler")
+    order = (Drawn(own, seed, f"data ({type(getattr(data, 'source', data)).__name__}): train_dataloader()")
+             if own is not None else Shuffled(len(dataset), seed))
+    sampler = TrainSampler(order, batch_size, **kwargs)
+    return TrainBatches(_loader(data, "train", sampler, drop_last=True, seed=seed), batch_size, sampler,
+                        {"order": order.name, "samples": len(order)})
 
 
 def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str = "val") -> Optional[DataLoader]:
     """The loader of `<split>_dataset` (val, test or predict): every sample once over the processes, in order."""
     dataset = getattr(data, f"{split}_dataset", None)
-    if dataset is None or len(dataset) == 0:
+    if dataset is None or (not is_stream(dataset) and len(dataset) == 0):
         return None
     kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
+    if is_stream(dataset):
+        settings = _settings(data, split)
+        share = StreamShare(dataset, settings["batch_size"], collate_fn=settings["collate_fn"], whole=False, **kwargs)
+        return _stream_loader(share, settings, seed)
     return _loader(data, split, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)
-
-
 
 
 def close(*loaders: Optional[DataLoader]) -> None:
@@ -91,6 +143,7 @@ def close(*loaders: Optional[DataLoader]) -> None:
     closed before it asks its workers to stop, and each worker then waits out a 5 s join: 20 s at the end of a run
     with two loaders of two workers. Freed here, while whole, they stop at once."""
     for loader in loaders:
+        loader = getattr(loader, "loader", loader)  # a TrainBatches' DataLoader
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None:
             loader._iterator = None  # the last reference: torch's own __del__ shuts the workers down

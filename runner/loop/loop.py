@@ -20,7 +20,7 @@ from runner.config import ConfigError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
-from runner.loop.progress import announce, fmt, make_console, too_few_batches
+from runner.loop.progress import announce, fmt, loader_length, make_console, too_few_batches
 from runner.loop.schedule import Progress, make_schedule
 from runner.loop.step import TrainStep
 from runner.loop.stop import StopVote
@@ -44,7 +44,7 @@ class Loop:
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
         self.cfg, self.run_dir, self.hparams = trainer_cfg, run_dir, hparams
         self.run_info = run_info  # what ran where (runner.stages.run_info): `run` in every stage's metrics.json
-        self.schedule = s = make_schedule(trainer_cfg, len(train), len(val) if val is not None else 0)
+        self.schedule = s = make_schedule(trainer_cfg, train.batches, loader_length(val) if val is not None else 0)
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * s.accumulate
         self.metrics = metrics or MetricSet({}, strategy)
@@ -78,10 +78,8 @@ class Loop:
         self.train_log.begin()
         stopped = False
         while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
-            self.train.sampler.set_epoch(p.epoch)
-            self.train.sampler.start_batch = p.batch
             self.task.train()
-            batches = iter(self.train)
+            batches = self.train.epoch(p.epoch, p.batch)
             while p.batch < s.batches_per_epoch and not stopped and p.step < s.max_steps:
                 self.heartbeat.step(p.step)  # the launcher's stall watch sees this process advance
                 window = list(itertools.islice(batches, s.accumulate))  # the micro-batches of one optimizer step
@@ -97,6 +95,9 @@ class Loop:
                 stopped = self._after_step()
             if p.batch >= s.batches_per_epoch:
                 p.epoch, p.batch = p.epoch + 1, 0
+                if s.val_each_epoch and not stopped:  # a stream of unknown length: its epoch ends when it does
+                    self._validate()
+                    stopped = self._stop_reason is not None
         return self._finish()
 
     def _after_step(self) -> bool:

@@ -86,7 +86,7 @@ class Bar:
 
     def batches(self, loader: Iterable, limit: float, what: str) -> Iterator:
         """The batches of a validation, counted on a bar of their own that goes when it ends."""
-        total = min(limit, _length(loader))
+        total = min(limit, loader_length(loader))
         with self._bar(total=None if total == math.inf else int(total), desc=what, unit="batch",
                        leave=False) as bar:
             for batch in loader:
@@ -147,21 +147,24 @@ def _total(schedule: Any) -> float:
     return min(schedule.max_steps, schedule.max_epochs * (schedule.batches_per_epoch // schedule.accumulate))
 
 
-def _length(loader: Any) -> float:
+def loader_length(loader: Any) -> float:
+    """The batches `loader` gives (math.inf: an iterable data set that does not say)."""
     try:
         return len(loader)
-    except TypeError:  # an iterable data set may not know its length
+    except TypeError:
         return math.inf
 
 
 def announce(loop: Any) -> None:
     """The run's first lines: the global batch and where training starts, or why there is nothing to train."""
     s, p = loop.schedule, loop.progress
-    log.info("global batch %d = data.batch_size %d x %d process(es) x accumulate %d; %d optimizer steps "
-             "per epoch; starting at step %d (epoch %d, batch %d)", loop.global_batch, loop.train.batch_size,
-             loop.strategy.world_size, s.accumulate, s.batches_per_epoch // s.accumulate, p.step, p.epoch,
-             p.batch)
-    if s.steps_decide:
+    known = s.batches_per_epoch != math.inf
+    per_epoch = f"{s.batches_per_epoch // s.accumulate} optimizer steps per epoch" if known else (
+        f"a stream of unknown length ({loop.train.identity.get('order', 'the training data')})")
+    log.info("global batch %d = data.batch_size %d x %d process(es) x accumulate %d; %s; starting at step %d "
+             "(epoch %d, batch %d)", loop.global_batch, loop.train.batch_size, loop.strategy.world_size,
+             s.accumulate, per_epoch, p.step, p.epoch, p.batch)
+    if s.steps_decide and known:
         log.info("trainer.max_steps=%d decides the length (trainer.max_epochs is not set): %d epoch(s) of "
                  "data", loop.cfg.max_steps, math.ceil(s.max_steps / max(s.batches_per_epoch // s.accumulate, 1)))
     if p.step >= s.max_steps or p.epoch >= s.max_epochs:
@@ -172,7 +175,7 @@ def announce(loop: Any) -> None:
 
 def too_few_batches(loop: Any) -> str:
     """The error when no optimizer step fits in an epoch."""
-    return (f"no full global batch per epoch: the training set gives {len(loop.train)} batch(es) of "
+    return (f"no full global batch per epoch: the training set gives {loop.train.batches} batch(es) of "
             f"data.batch_size={loop.train.batch_size} per process with {loop.strategy.world_size} process(es), "
             f"fewer than trainer.accumulate_grad_batches={loop.schedule.accumulate} or limited to zero by "
             "trainer.limit_train_batches; use more samples or a smaller batch")

@@ -35,6 +35,7 @@ def state_dict(loop: Any) -> dict:
         "step": p.step,
         "epoch": p.epoch,
         "samples_in_epoch": p.batch * loop.train.batch_size * loop.strategy.world_size,
+        "data": dict(loop.train.identity),  # what that position is a position in
         "global_batch_size": loop.global_batch,
         "metrics": dict(p.metrics),
         "rng": _rng_state(),
@@ -48,7 +49,7 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
     # The pre-launch check read the file; this is what every process got (weights: checked there).
     check_checkpoint(loop.cfg.get("ckpt_path"), checkpoint, task_name(loop.task.task), weights=False)
     per_batch = loop.train.batch_size * loop.strategy.world_size
-    samples, saved_batch = checkpoint.get("samples_in_epoch", 0), checkpoint.get("global_batch_size")
+    samples, saved_batch = _data_position(loop, checkpoint), checkpoint.get("global_batch_size")
     if samples % loop.global_batch:  # the first step would train on part of a batch, or skip samples
         raise ConfigError([
             f"trainer.ckpt_path: the checkpoint stopped {samples} samples into epoch {checkpoint['epoch']}, "
@@ -75,6 +76,33 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
     loop.train_log.load_state_dict(checkpoint.get("train_window", {}))  # older checkpoints: an empty window
     loop.logger.resume_at(checkpoint["step"] + 1)
     loop.last_val_step = -1
+
+
+def _data_position(loop: Any, checkpoint: dict) -> int:
+    """The samples of its epoch the checkpoint trained on, where this run's data continues: the same position in
+    the same data, or the epoch's start under trainer.data_resume=restart."""
+    samples, epoch = checkpoint.get("samples_in_epoch", 0), checkpoint["epoch"]
+    saved, mine = checkpoint.get("data"), loop.train.identity
+    if loop.cfg.get("data_resume", "exact") == "restart":
+        log.info("trainer.data_resume=restart: epoch %d of the data starts again from its first batch (the "
+                 "checkpoint stopped %d samples into it)", epoch, samples)
+        return 0
+    if saved is None or saved == mine:  # a checkpoint older than this record is taken at its word
+        return samples
+    if not samples:
+        log.warning("the training data is not what the checkpoint was trained on (%s, now %s); epoch %d starts "
+                    "from its first batch", _described(saved), _described(mine), epoch)
+        return 0
+    raise ConfigError([
+        f"trainer.ckpt_path: the checkpoint stopped {samples} samples into epoch {epoch} of {_described(saved)}, "
+        f"but this run reads {_described(mine)}, where that position names other samples; resume on the data it "
+        f"was trained on, or set trainer.data_resume=restart to start epoch {epoch} of this data from its first "
+        "batch"])
+
+
+def _described(identity: dict) -> str:
+    size = identity.get("samples")
+    return f"a {identity.get('order')} order of {'unknown length' if size is None else f'{size} samples'}"
 
 
 def load_weights(loop: Any, checkpoint: dict) -> None:

@@ -1,0 +1,115 @@
+"""The global order of training samples: streams, a user's sampler and a big set's shuffle each give the same
+global batches on one or two processes, resume exactly, and say what their position means."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+import runner
+from runner.config import ConfigError
+from runner.data import TrainSampler
+from runner.data.order import Drawn, Shuffled
+
+from conftest import TINY, compose_config, load_checkpoint
+
+TESTS = Path(__file__).resolve().parent
+STREAM = ("data._target_=stream_data.StreamData",)
+WEIGHTED = ("data._target_=stream_data.WeightedData",)
+DDP2 = ("strategy=ddp", "trainer.devices=2", "data.batch_size=8")
+
+
+@pytest.fixture(autouse=True)
+def _workers_import_the_fixtures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
+def _fit(tmp_path: Path, name: str, *overrides: str) -> dict:
+    cfg = compose_config([*TINY, *overrides])
+    return runner.fit(cfg, run_dir=tmp_path / name)
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    first, second = load_checkpoint(a)["model"], load_checkpoint(b)["model"]
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("data_order")
+def test_a_stream_trains_one_global_order_on_any_process_count_and_resumes_across_them(tmp_path: Path) -> None:
+    """8 steps on 1 process x 16 == 5 steps on 2 processes x 8, resumed on 1 process (with 2 loader workers) to 8."""
+    _fit(tmp_path, "one", *STREAM, "trainer.max_steps=8")
+    _fit(tmp_path, "two", *STREAM, *DDP2, "trainer.max_steps=5")
+    resumed = _fit(tmp_path, "resumed", *STREAM, "trainer.max_steps=8", "data.num_workers=2",
+                   f"trainer.ckpt_path={tmp_path / 'two' / 'checkpoints' / 'last.ckpt'}")
+    assert resumed["step"] == 8
+    _same_weights(tmp_path / "one", tmp_path / "resumed")
+    assert "resuming the stream TensorStream: read past its first 80 samples" in (
+        tmp_path / "resumed" / "runner.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("data_order")
+def test_a_weighted_sampler_is_one_global_order_on_any_process_count(tmp_path: Path) -> None:
+    _fit(tmp_path, "one", *WEIGHTED, "trainer.max_steps=6")
+    _fit(tmp_path, "two", *WEIGHTED, *DDP2, "trainer.max_steps=6")
+    _same_weights(tmp_path / "one", tmp_path / "two")
+
+
+def test_each_process_takes_its_share_of_every_global_batch_of_a_drawn_order() -> None:
+    weights = torch.linspace(0.1, 1.0, 100)
+    sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=96, replacement=True)
+    one = list(TrainSampler(Drawn(sampler, seed=3, what="data"), batch_size=8, num_replicas=1, rank=0))
+    ranks = [list(TrainSampler(Drawn(sampler, seed=3, what="data"), batch_size=4, num_replicas=2, rank=r))
+             for r in (0, 1)]
+    for batch in range(12):  # global batch k: the same samples, whichever process takes them
+        assert sorted(ranks[0][batch * 4:(batch + 1) * 4] + ranks[1][batch * 4:(batch + 1) * 4]) == sorted(
+            one[batch * 8:(batch + 1) * 8])
+    assert one != list(TrainSampler(Drawn(sampler, seed=4, what="data"), batch_size=8, num_replicas=1, rank=0))
+
+
+def test_a_sampler_that_no_seed_reaches_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train_dataloader\(\): its sampler UnseededSampler gives another order "
+                                          r"each time it is drawn with the same seeds"):
+        _fit(tmp_path, "run", *WEIGHTED, "+data.own_random=true")
+
+
+def test_a_stream_of_unknown_length_needs_max_steps(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=-1: the training stream does not say its length"):
+        _fit(tmp_path, "run", *STREAM, "trainer.max_steps=-1", "trainer.max_epochs=1")
+
+
+def test_a_stream_that_says_its_length_has_epochs(tmp_path: Path) -> None:
+    """256 samples in batches of 16: 16 steps an epoch, validated at each epoch's end."""
+    result = _fit(tmp_path, "run", *STREAM, "+data.sized=true", "trainer.max_steps=-1", "trainer.max_epochs=2")
+    assert (result["step"], result["epoch"]) == (32, 2)
+
+
+def test_resuming_on_other_data_is_refused_mid_epoch_or_restarts_it_on_request(tmp_path: Path) -> None:
+    _fit(tmp_path, "first", "trainer.max_steps=5")
+    last = f"trainer.ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}"
+    with pytest.raises(ConfigError, match=r"stopped 80 samples into epoch 0 of a shuffled order of 256 samples, "
+                                          r"but this run reads a shuffled order of 128 samples.*"
+                                          r"trainer.data_resume=restart"):
+        _fit(tmp_path, "changed", "trainer.max_steps=8", "data.num_samples=128", last)
+    restarted = _fit(tmp_path, "restarted", "trainer.max_steps=8", "data.num_samples=128", last,
+                     "trainer.data_resume=restart")
+    assert restarted["step"] == 8
+    assert "trainer.data_resume=restart: epoch 0 of the data starts again" in (
+        tmp_path / "restarted" / "runner.log").read_text()
+
+
+def test_the_order_of_a_big_set_costs_a_few_bytes_a_sample() -> None:
+    """10^7 samples: the order is a tensor of int32, and the first batch does not build the epoch in Python."""
+    assert Shuffled(10**7, seed=0).draw(0).dtype == torch.int32
+    sampler = TrainSampler(Shuffled(10**7, seed=0), batch_size=64, num_replicas=2, rank=1)
+    tracemalloc.start()
+    first = [index for _, index in zip(range(64), sampler)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(set(first)) == 64 and peak < 20 * 2**20  # a Python list of the epoch: ~400 MB
