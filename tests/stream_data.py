@@ -69,3 +69,18 @@ class UnseededSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.size
+
+
+class StreamLoaders(SyntheticClassification):
+    """A data module whose train_dataloader() is a DataLoader over a stream (torch gives it a placeholder sampler)."""
+
+    def __init__(self, **settings) -> None:
+        super().__init__(**settings)
+        self.samples, self.train_dataset = self.train_dataset, None
+
+    def setup(self, stage: str) -> None:
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        stream = TensorStream(self.samples.inputs, self.samples.targets, sized=False)
+        return DataLoader(stream, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -11,7 +11,7 @@ import torch
 
 import runner
 from runner.config import ConfigError
-from runner.data import TrainSampler
+from runner.data import TrainSampler, ready
 from runner.data.order import Drawn, Shuffled
 
 from conftest import TINY, compose_config, load_checkpoint
@@ -82,6 +82,26 @@ def test_a_sampler_that_no_seed_reaches_is_refused(tmp_path: Path) -> None:
 def test_a_stream_of_unknown_length_needs_max_steps(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.max_steps=-1: the training stream does not say its length"):
         _fit(tmp_path, "run", *STREAM, "trainer.max_steps=-1", "trainer.max_epochs=1")
+
+
+def test_a_loader_over_a_stream_trains_what_the_stream_given_as_such_trains(tmp_path: Path) -> None:
+    _fit(tmp_path, "stream", *STREAM, "trainer.max_steps=4")
+    _fit(tmp_path, "loader", "data._target_=stream_data.StreamLoaders", "trainer.max_steps=4")
+    _same_weights(tmp_path / "stream", tmp_path / "loader")
+
+
+def test_a_loaders_distributed_sampler_leaves_the_split_to_the_runner() -> None:
+    """A loader built for one process of several (DistributedSampler, as hand-written DDP scripts make it) holds that
+    process's share only: the runner takes the data set and splits it itself."""
+    dataset = torch.utils.data.TensorDataset(torch.zeros(10, 2), torch.zeros(10))
+
+    class Module:
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=1)
+            return torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler)
+
+    data = ready(Module(), "fit")
+    assert data.train_dataset is dataset and data.split_settings["train"]["sampler"] is None
 
 
 def test_a_stream_that_says_its_length_has_epochs(tmp_path: Path) -> None:
