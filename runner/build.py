@@ -7,12 +7,15 @@ build trial objects through these functions before any worker starts; this modul
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import json
 import logging
 import random
 import re
+import sys
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from hydra.utils import get_method, instantiate
@@ -75,15 +78,21 @@ def build_model(cfg: DictConfig) -> Any:
 
 def build_data(cfg: DictConfig, strategy: Any = None) -> Any:
     """The data, prepared (a data module's prepare_data once per node, its setup in every process, see
-    runner.data.prepare), after checking on the meta device that the model and task take its batches.
+    runner.data.prepare), then checked: every process built the same (one collective), the loop can read it, its
+    first samples form a batch, and the model and task take its batches (on the meta device: a model whose input
+    width is not the data's fails with the sizes of both).
 
-    Here, where each process builds its data anyway: checking in the parent would build the data twice.
-    A model that does not fit (an input width other than the data's) fails with the sizes of both.
+    Here, where each process builds its data anyway. The object is built once per process: where the checks before
+    launch built it in this process, it is theirs (see DataHandOver).
     """
     from runner.data import prepare
+    from runner.data.modules import rank_difference
 
-    data = prepare(build_unchecked_data(cfg), strategy, cfg.get("stage", "fit"))
-    problem = data_contract(cfg, data) or model_data_mismatch(cfg, data)
+    kept = _handed_over(cfg)
+    data = prepare(build_unchecked_data(cfg) if kept is _NOTHING else kept, strategy, cfg.get("stage", "fit"))
+    # The agreement first, on every process alike: it is a collective, which a process that raised would not reach.
+    problem = (rank_difference(data, strategy) or data_contract(cfg, data) or first_batches_problem(cfg, data)
+               or model_data_mismatch(cfg, data))
     if problem:
         raise ConfigError([problem])
     return data
@@ -92,6 +101,86 @@ def build_data(cfg: DictConfig, strategy: Any = None) -> Any:
 def build_unchecked_data(cfg: DictConfig) -> Any:
     """The data object as its settings make it, before build_data's checks (the checks' trial build)."""
     return instantiate(cfg.data)
+
+
+_NOTHING = object()  # nothing handed over: build the data
+_DRAWS = object()  # handed over in words only: its construction drew from the global random number generators
+
+
+class DataHandOver:
+    """The data object the checks before launch built, for the worker that trains in the same process (one process;
+    a rank torchrun or srun started) to take instead of building it again: one build per process.
+
+    `trains_here` says whether a worker of this process will build the data (else launched workers each build their
+    own); asked once, when the checks come to the data. An object whose construction drew from the global random
+    number generators is not handed over: the worker builds its own after seeding with trainer.seed, as a run
+    always did, so the run's numbers stay what they were.
+    """
+
+    def __init__(self, trains_here: Callable[[], bool]) -> None:
+        self._ask, self._answer, self._kept = trains_here, None, ("", _NOTHING)
+
+    def trains_here(self) -> bool:
+        if self._answer is None:
+            try:
+                self._answer = bool(self._ask())
+            except Exception:  # noqa: BLE001 - a strategy that cannot be built: the checks say why, nothing runs
+                self._answer = True
+        return self._answer
+
+    def offer(self, cfg: DictConfig, data: Any, drew_random: bool) -> None:
+        self._kept = (_data_key(cfg), _DRAWS if drew_random else data)
+
+    def take(self, cfg: DictConfig) -> Any:
+        """The object offered for `cfg`'s data settings (once), `_DRAWS`, or `_NOTHING`."""
+        key, data = self._kept
+        self._kept = ("", _NOTHING)
+        return data if key == _data_key(cfg) else _NOTHING
+
+
+_HAND_OVER: contextvars.ContextVar[Optional[DataHandOver]] = contextvars.ContextVar("data_hand_over", default=None)
+
+
+@contextlib.contextmanager
+def handing_over_data(trains_here: Callable[[], bool]) -> Iterator[DataHandOver]:
+    """While this lasts (a job, from its checks to its end), the checks may hand the data they build to the worker of
+    this process (data_hand_over); outside it they keep nothing."""
+    token = _HAND_OVER.set(DataHandOver(trains_here))
+    try:
+        yield _HAND_OVER.get()
+    finally:
+        _HAND_OVER.reset(token)
+
+
+def data_hand_over() -> Optional[DataHandOver]:
+    """The running job's hand-over, if any (the checks offer the data to it, build_data takes it)."""
+    return _HAND_OVER.get()
+
+
+def _handed_over(cfg: DictConfig) -> Any:
+    hand_over = data_hand_over()
+    data = hand_over.take(cfg) if hand_over is not None else _NOTHING
+    if data is _DRAWS:
+        logging.getLogger("runner").info(
+            "data: built again for training: its construction draws from the global random number generators, "
+            "which trainer.seed sets here (data built with a torch.Generator of its own is built once)")
+        return _NOTHING
+    return data
+
+
+def _data_key(cfg: DictConfig) -> str:
+    """The data's settings, resolved: a check and the worker build the same object from the same ones."""
+    return json.dumps(OmegaConf.to_container(cfg.data, resolve=True), sort_keys=True, default=str)
+
+
+def global_rng_states() -> tuple:
+    """The global random number generators' states: torch's (CPU, and CUDA once initialised), Python's, and
+    NumPy's once imported. Two that differ tell that something drew from one of them."""
+    cuda = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else []
+    numpy = sys.modules.get("numpy")
+    legacy = numpy.random.get_state() if numpy is not None else None
+    return (torch.get_rng_state().numpy().tobytes(), tuple(cuda), random.getstate(),
+            None if legacy is None else (legacy[0], legacy[1].tobytes(), *legacy[2:]))
 
 
 def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
@@ -113,6 +202,15 @@ def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
             return (f"{what}.{name} is {type(dataset).__name__}, not a map-style dataset (len() and indexing): "
                     "each process takes its own samples of it by index, so every sample is seen once")
     return None
+
+
+def first_batches_problem(cfg: DictConfig, data: Any) -> Optional[str]:
+    """Why the first samples of a split the stage reads do not form a batch, named with the data's class."""
+    from runner.data import STAGE_SPLITS, first_batch_problem
+
+    splits = STAGE_SPLITS[cfg.get("stage", "fit")]
+    problem = next(filter(None, (first_batch_problem(data, split) for split in splits)), None)
+    return problem and f"data ({cfg.data._target_}): {problem}"
 
 
 def build_task(cfg: DictConfig) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner import run_lock
-from runner.build import build_strategy
+from runner.build import build_strategy, handing_over_data
 from runner.checks import validate
 from runner.config import ConfigError, drop_unselected_callbacks, make_unique_dir
 from runner.launch import launcher_for
@@ -220,14 +220,29 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
 
     `job_logging`: the job's `hydra/job_logging` when it is not Hydra's default, for the workers to apply.
     """
-    from runner import worker
-    from runner.logs import save_job_logging
-
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     drop_unselected_callbacks(cfg)
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
-    validate(cfg, ckpt_path)
-    check_writable(cfg, run_dir)
+    # The data the checks build is the data this process's worker trains on: built once, not twice.
+    with handing_over_data(lambda: _trains_here(cfg)):
+        validate(cfg, ckpt_path)
+        check_writable(cfg, run_dir)
+        return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+
+
+def _trains_here(cfg: DictConfig) -> bool:
+    """Whether a worker trains in this process (one process; a rank torchrun or srun started), rather than in
+    processes a launcher starts."""
+    strategy = build_strategy(cfg)
+    return launcher_for(strategy.processes, cfg.trainer.get("max_restarts", 0), _external(strategy)) is None
+
+
+def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: bool,
+         job_logging: Optional[dict]) -> dict:
+    """A validated job: its run folder, then training here or in the workers a launcher starts."""
+    from runner import worker
+    from runner.logs import save_job_logging
+
     strategy = build_strategy(cfg)
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and os.environ.get("TORCHELASTIC_RUN_ID"):

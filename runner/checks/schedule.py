@@ -2,8 +2,9 @@
 probed over the steps the run will take.
 
 CLI → compose → [validate: these checks, after the components] → run folder → launch → worker → build → loop →
-teardown. The data is built once here (each worker builds its own), the optimizer over one parameter, and the
-scheduler stepped as the loop would step it.
+teardown. The data is built here only where that costs no build of its own: for the worker of this process, which
+then takes it (runner.build.DataHandOver), or outside a job (validate called alone). The optimizer is built over one
+parameter, and the scheduler stepped as the loop would step it.
 """
 
 from __future__ import annotations
@@ -14,44 +15,73 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import torch
+from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from runner.build import (build_accelerator, build_environment, build_scheduler, build_unchecked_data,
-                          data_contract, devices_setting, probe_optimizer, python_rng_kept)
+                          data_contract, data_hand_over, devices_setting, first_batches_problem, global_rng_states,
+                          probe_optimizer, python_rng_kept)
 from runner.config import ConfigError
 from runner.values import is_int, one_line
 
 
 def check_data_and_schedule(cfg: DictConfig) -> Iterator[str]:
-    """The data, built once: what the loop reads from it, whether its first samples form a batch, and the
-    schedule's rates over the steps the run will take with it."""
-    from runner.data import STAGE_SPLITS, first_batch_problem, is_data_module, ready
+    """The data, where built here (see _trial_data): what the loop reads from it, whether its first samples form a
+    batch, and the schedule's rates over the steps the run will take with it."""
+    from runner.data import is_data_module, ready
 
     data = _trial_data(cfg)
-    stage = cfg.get("stage", "fit")
     if data is not None and is_data_module(data):
         data = None  # its data sets exist once each worker has run its prepare_data and setup
     try:
-        data = ready(data, stage) if data is not None else None  # DataLoaders read as the worker reads them
+        data = ready(data, cfg.get("stage", "fit")) if data is not None else None  # loaders read as a worker does
     except ConfigError as error:
         yield from error.problems
         data = None
-    problem = data is not None and (data_contract(cfg, data) or next(
-        filter(None, (first_batch_problem(data, s) for s in STAGE_SPLITS[stage])), None))
+    problem = data is not None and (data_contract(cfg, data) or first_batches_problem(cfg, data))
     if problem:
-        yield problem if problem.startswith("data (") else f"data ({cfg.data._target_}): {problem}"
+        yield problem
         data = None
     yield from _check_optimizer_and_scheduler(cfg, _planned_steps(cfg, data))
 
 
+# The runner's own data sets, made in memory from their settings in milliseconds: built before launch even where the
+# launched workers build their own, for what only the built data tells (the run's length, for the schedule's check).
+_BUILT_IN_DATA = "runner.data."
+
+
 def _trial_data(cfg: DictConfig) -> Any:
-    """The data object, built here for the checks of its first batches and of the run's length; None when it
-    cannot be built in this process (each worker builds its own and reports its own errors)."""
+    """The data object, built here for the checks of its first batches and of the run's length, and offered to the
+    worker of this process; None where building it here would be a build more than the workers make (each checks its
+    own after building it), or where it cannot be built (each worker reports its own errors).
+
+    A build more: a data module (its data sets exist only after each worker's setup), or, in a job whose workers are
+    launched processes, a user's data (it may tokenise or download in its constructor), unless built in.
+    """
+    hand_over = data_hand_over()  # None outside a job: validate alone builds what it checks
+    if _makes_data_in_setup(cfg) or (hand_over is not None and not hand_over.trains_here()
+                                     and not str(cfg.data.get("_target_")).startswith(_BUILT_IN_DATA)):
+        return None
     with torch.random.fork_rng(devices=[]), python_rng_kept(), _quiet_runner_log():
+        before = global_rng_states()
         try:
-            return build_unchecked_data(cfg)
+            data = build_unchecked_data(cfg)
         except Exception:  # noqa: BLE001 - reported by the workers, where the data is built for the run
             return None
+        drew_random = global_rng_states() != before
+    if hand_over is not None and hand_over.trains_here():
+        hand_over.offer(cfg, data, drew_random)
+    return data
+
+
+def _makes_data_in_setup(cfg: DictConfig) -> bool:
+    """Whether the data's class is a data module (prepare_data/setup), known without building it."""
+    from runner.data import is_data_module
+
+    try:
+        return is_data_module(get_method(str(cfg.data._target_)))
+    except Exception:  # noqa: BLE001 - not importable: the static checks say so
+        return False
 
 
 def _planned_steps(cfg: DictConfig, data: Any) -> Optional[int]:

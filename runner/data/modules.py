@@ -1,14 +1,19 @@
-"""Data modules: `prepare_data()` once per node, `setup(stage)` in every process, and DataLoaders read whole."""
+"""Data modules: `prepare_data()` once per node, `setup(stage)` in every process, DataLoaders read whole, and the
+processes' agreement on what they built."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from runner.data.batches import collate
+from runner.values import is_int
 
+# Every split a data object may have, in the order an agreement across processes compares them.
+SPLITS = ("train", "val", "test", "predict")
 # The splits each stage reads (fit tests afterwards, when the data has a test split: see `ready`).
 STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
@@ -125,3 +130,65 @@ def _own_sampler(loader: DataLoader, what: str, split: str) -> Optional[str]:
     return (f"{what} has a sampler of its own ({type(own).__name__}); the runner's samplers take each "
             "process's samples (exact metrics over processes, the same global batches on any number of them), so "
             f"give a DataLoader without sampler or batch_sampler, or the data set itself as {split}_dataset")
+
+
+# What `data_facts` says of a split the data lacks, of one without a length (a stream), and of a batch_size that is
+# not an integer.
+_ABSENT, _NO_LENGTH, _NOT_INT = -1, -2, -3
+
+
+def data_facts(data: Any) -> list[int]:
+    """What every process must build alike: the per-process batch_size, then the length of each split (SPLITS),
+    or whether it has none (`_ABSENT`) or one without a length (`_NO_LENGTH`)."""
+    batch_size = getattr(data, "batch_size", None)
+    return [batch_size if is_int(batch_size) else _NOT_INT, *(_length(getattr(data, f"{split}_dataset", None))
+                                                            for split in SPLITS)]
+
+
+def _length(dataset: Any) -> int:
+    if dataset is None:
+        return _ABSENT
+    try:
+        return len(dataset)
+    except (TypeError, NotImplementedError):  # a stream need not know its length
+        return _NO_LENGTH
+
+
+def rank_difference(data: Any, strategy: Any) -> Optional[str]:
+    """How the data of some process differs from global rank 0's, in one line, or None: each process sends its
+    `data_facts` in one collective (a sum of rows of zeros, each process filling its own), every process calls it.
+
+    The runner splits one global order over the processes, so each must hold the same data sets: a rank with fewer
+    samples or another batch size would train other global batches, and its collectives would stop matching.
+    """
+    if strategy is None or strategy.world_size < 2:
+        return None
+    facts = data_facts(data)
+    table = torch.zeros(strategy.world_size, len(facts), dtype=torch.int64, device=strategy.root_device)
+    table[strategy.global_rank] = torch.tensor(facts, dtype=torch.int64)
+    rows = strategy.all_reduce(table, reduce_op="sum").tolist()
+    source = data.source if isinstance(data, LoaderData) else data
+    return facts_difference(rows, "setup(stage)" if callable(getattr(source, "setup", None)) else "its constructor")
+
+
+def facts_difference(rows: list[list[int]], maker: str) -> Optional[str]:
+    """The first difference of a rank's `data_facts` row from rank 0's, in words; `maker`: what made the data."""
+    for rank, row in enumerate(rows[1:], start=1):
+        index = next((i for i, (mine, first) in enumerate(zip(row, rows[0])) if mine != first), None)
+        if index is None:
+            continue
+        theirs, first = _fact(index, row[index]), _fact(index, rows[0][index])
+        if row[index] >= 0 and rows[0][index] >= 0:  # two numbers of one kind: "..., rank 0 has 256"
+            first = str(rows[0][index])
+        return (f"data: rank {rank} has {theirs}, rank 0 has {first}; every process must build the same data "
+                f"({maker} must not depend on the rank)")
+    return None
+
+
+def _fact(index: int, value: int) -> str:
+    if index == 0:
+        return "no integer batch_size" if value == _NOT_INT else f"batch_size {value}"
+    split = SPLITS[index - 1]
+    if value == _ABSENT:
+        return f"no {split} set"
+    return f"a {split} set without a length" if value == _NO_LENGTH else f"{value} {split} samples"
