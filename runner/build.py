@@ -185,6 +185,8 @@ def global_rng_states() -> tuple:
 
 def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
     """What the data object lacks of what the loop reads from it (README, "Your own model and data")."""
+    from runner.data.streams import is_stream
+
     what = f"data ({cfg.data._target_})"
     batch_size = getattr(data, "batch_size", None)
     if not (is_int(batch_size) and batch_size > 0):
@@ -194,13 +196,13 @@ def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
     for name in ("train_dataset", "val_dataset", "test_dataset", "predict_dataset"):
         dataset = getattr(data, name, None)
         if dataset is None and fit and name == "train_dataset":
-            return (f"{what} has no train_dataset: a data object needs one (a map-style dataset), made by its "
-                    "constructor or its setup(stage), or a train_dataloader() method")
+            return (f"{what} has no train_dataset: a data object needs one (a map-style dataset or a stream), made "
+                    "by its constructor or its setup(stage), or a train_dataloader() method")
         if dataset is None:
             continue
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            return (f"{what}.{name} is {type(dataset).__name__}, not a map-style dataset (len() and indexing): "
-                    "each process takes its own samples of it by index, so every sample is seen once")
+        if not (is_stream(dataset) or (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))):
+            return (f"{what}.{name} is {type(dataset).__name__}: neither a map-style dataset (len() and indexing) "
+                    "nor a stream (an IterableDataset, or __iter__ without indexing)")
     return None
 
 

@@ -99,10 +99,25 @@ def _planned_steps(cfg: DictConfig, data: Any) -> Optional[int]:
         processes = 0
     if data is None or processes < 1:
         return steps_alone
+    size = _epoch_samples(data)
+    if size is None:  # a stream that does not say its length: trainer.max_steps decides (the loop insists)
+        return steps_alone
     # Each process takes len // processes samples (the sampler drops the tail), in whole batches.
-    batches = len(data.train_dataset) // (processes * t.num_nodes) // data.batch_size
+    batches = size // (processes * t.num_nodes) // data.batch_size
     total = make_schedule(t, batches, 0).total_steps
     return total if total >= 1 else None
+
+
+def _epoch_samples(data: Any) -> Optional[int]:
+    """The samples of a training epoch: the training loader's own sampler's, a stream's (None: unknown), or the
+    set's."""
+    from runner.data.streams import is_stream, stream_length
+
+    sampler = getattr(data, "split_settings", {}).get("train", {}).get("sampler")
+    if sampler is not None:
+        return len(sampler)
+    dataset = data.train_dataset
+    return stream_length(dataset) if is_stream(dataset) else len(dataset)
 
 
 # What a constructor raises for values it refuses (ZeroDivisionError: StepLR's step_size=0 at its first step).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from runner.data.batches import collate
@@ -78,11 +78,12 @@ _PLAIN_SAMPLERS = (RandomSampler, SequentialSampler)  # what DataLoader(shuffle=
 
 class LoaderData:
     """The data sets of a data object's DataLoaders (`<split>_dataloader()`, as a LightningDataModule gives them),
-    with each loader's batch_size, collate_fn, num_workers and pin_memory.
+    with each loader's batch_size, collate_fn, num_workers and pin_memory, and the training loader's own sampler.
 
-    The runner's own samplers take each process's share (the same global batches on any number of processes,
-    every evaluation sample once, an exact resume), so a loader's shuffle, drop_last and other settings are not
-    kept, and a loader with a sampler of its own is refused.
+    The runner takes each process's share (the same global batches on any number of processes, every evaluation
+    sample once, an exact resume), so a loader's shuffle, drop_last and other settings are not kept. A training
+    loader's own sampler (weighted, class-balanced) is the global order the shares are taken from; an evaluation
+    loader's sampler, or a batch sampler of its own, is refused.
     """
 
     def __init__(self, source: Any, splits: tuple[str, ...]) -> None:
@@ -97,14 +98,15 @@ class LoaderData:
             if dataset is not None or loader is None:
                 setattr(self, f"{split}_dataset", dataset)
                 continue
-            problem = _own_sampler(loader, f"data ({type(source).__name__}): {split}_dataloader()", split)
+            problem, sampler = _taken_sampler(loader, f"data ({type(source).__name__}): {split}_dataloader()", split)
             if problem:
                 raise ConfigError([problem])
             setattr(self, f"{split}_dataset", loader.dataset)
             # torch's default collate is the runner's, which also passes a batch fetched whole (__getitems__)
             own_collate = loader.collate_fn if loader.collate_fn is not default_collate else collate
             self.split_settings[split] = {"batch_size": loader.batch_size, "collate_fn": own_collate,
-                                          "num_workers": loader.num_workers, "pin_memory": loader.pin_memory}
+                                          "num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+                                          "sampler": sampler}
         first = next(iter(self.split_settings.values()), {})  # what a data set given as such is read with
         self.batch_size = first.get("batch_size", getattr(source, "batch_size", None))
         self.collate_fn = first.get("collate_fn", getattr(source, "collate_fn", collate))
@@ -112,24 +114,35 @@ class LoaderData:
         self.pin_memory = first.get("pin_memory", getattr(source, "pin_memory", False))
 
 
-def _own_sampler(loader: DataLoader, what: str, split: str) -> Optional[str]:
-    """Why the runner cannot take `loader`'s data set as it is: not one DataLoader (several validation loaders), a
-    sampler or batch sampler of its own, or none (batch_size=None: no batching)."""
+def _taken_sampler(loader: DataLoader, what: str, split: str) -> tuple[Optional[str], Optional[Sampler]]:
+    """Why the runner cannot take `loader` as it is (not one DataLoader, no batching, a batch sampler of its own, a
+    sampler of its own for evaluation or without a length), else the training sampler to draw the order from."""
     if not isinstance(loader, DataLoader):
         return (f"{what} gave {type(loader).__name__}, not one DataLoader: the runner reads one loader per stage "
-                f"(for several data sets, concatenate them, or give the one to use as {split}_dataset)")
+                f"(for several data sets, concatenate them, or give the one to use as {split}_dataset)"), None
     if loader.batch_size is None and loader.batch_sampler is None:
-        return f"{what} has batch_size=None (no batching): give it a batch size (per process)"
+        return f"{what} has batch_size=None (no batching): give it a batch size (per process)", None
+    if isinstance(loader.dataset, IterableDataset):  # a stream: torch's placeholder sampler, nothing to take
+        return None, None
+    if loader.batch_size is None:  # DataLoader's batch_size is None exactly when it was given a batch_sampler
+        return (f"{what} has a batch sampler of its own ({type(loader.batch_sampler).__name__}): batches it "
+                "composes cannot be split into the same global batches on any number of processes; give a sampler "
+                "(an order of samples) and a batch_size instead"), None
+    if isinstance(loader.sampler, DistributedSampler):  # one process's share: the runner takes the shares itself
+        return None, None
     plain = type(loader.sampler) in _PLAIN_SAMPLERS and not (
         isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement
                                                        or loader.sampler._num_samples is not None))
-    # DataLoader's batch_size is None exactly when it was given a batch_sampler
-    own = loader.sampler if not plain else loader.batch_sampler if loader.batch_size is None else None
-    if own is None:
-        return None
-    return (f"{what} has a sampler of its own ({type(own).__name__}); the runner's samplers take each "
-            "process's samples (exact metrics over processes, the same global batches on any number of them), so "
-            f"give a DataLoader without sampler or batch_sampler, or the data set itself as {split}_dataset")
+    if plain:
+        return None, None
+    own = type(loader.sampler).__name__
+    if split != "train":
+        return (f"{what} has a sampler of its own ({own}); evaluation reads every sample once, split over the "
+                f"processes, so give a DataLoader without sampler, or the data set itself as {split}_dataset"), None
+    if not hasattr(loader.sampler, "__len__"):
+        return (f"{what} has a sampler of its own ({own}) without len(): the runner needs the samples an epoch "
+                "has to plan its steps; give the sampler a __len__"), None
+    return None, loader.sampler
 
 
 # What `data_facts` says of a split the data lacks, of one without a length (a stream), and of a batch_size that is
