@@ -84,3 +84,29 @@ class StreamLoaders(SyntheticClassification):
     def train_dataloader(self) -> DataLoader:
         stream = TensorStream(self.samples.inputs, self.samples.targets, sized=False)
         return DataLoader(stream, batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+class PositionedStream(TensorStream):
+    """A stream with a position of its own (state_dict/load_state_dict, as HuggingFace's IterableDataset has)."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        super().__init__(inputs, targets, sized=False)
+        self.position = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start, self.position = self.position, 0
+        for index in range(start, len(self.targets)):
+            self.position = index + 1
+            yield self.inputs[index], self.targets[index]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class PositionedData(SyntheticClassification):
+    def __init__(self, **settings) -> None:
+        super().__init__(**settings)
+        self.train_dataset = PositionedStream(self.train_dataset.inputs, self.train_dataset.targets)

@@ -53,6 +53,18 @@ def test_a_stream_trains_one_global_order_on_any_process_count_and_resumes_acros
         tmp_path / "resumed" / "runner.log").read_text()
 
 
+def test_a_stream_with_a_position_of_its_own_resumes_from_it(tmp_path: Path) -> None:
+    positioned = ("data._target_=stream_data.PositionedData",)
+    _fit(tmp_path, "straight", *positioned, "trainer.max_steps=8")
+    _fit(tmp_path, "first", *positioned, "trainer.max_steps=5")
+    assert load_checkpoint(tmp_path / "first")["data_state"] == {"stream": {"position": 80}}
+    _fit(tmp_path, "resumed", *positioned, "trainer.max_steps=8",
+         f"trainer.ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}")
+    _same_weights(tmp_path / "straight", tmp_path / "resumed")
+    log = (tmp_path / "resumed" / "runner.log").read_text()
+    assert "from its own position (its state_dict), 80 samples into epoch 0" in log and "read past" not in log
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("data_order")
 def test_a_weighted_sampler_is_one_global_order_on_any_process_count(tmp_path: Path) -> None:

@@ -97,6 +97,14 @@ class TrainBatches:
         except TypeError:  # a stream that does not say its length
             return math.inf
 
+    def state_dict(self) -> dict:
+        """Where the data stands beyond its position (a stream's own state), for the checkpoint."""
+        return getattr(self._position, "state_dict", dict)()
+
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self._position, "load_state_dict"):
+            self._position.load_state_dict(state)
+
     def epoch(self, epoch: int, start_batch: int) -> Iterator[Any]:
         """The batches of `epoch` from its `start_batch`-th on."""
         self._position.set_epoch(epoch)
@@ -114,6 +122,7 @@ def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> TrainB
     batch_size = settings["batch_size"]
     if is_stream(dataset):
         share = StreamShare(dataset, batch_size, collate_fn=settings["collate_fn"], whole=True, **kwargs)
+        share.in_process = settings["num_workers"] == 0
         return TrainBatches(_stream_loader(share, settings, seed), batch_size, share,
                             {"order": f"stream {type(dataset).__name__}", "samples": share.size})
     own = settings.get("sampler")

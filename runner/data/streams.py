@@ -5,7 +5,8 @@ The stream's samples s0, s1, ... form global batches of B x W samples (B per pro
 samples r, r+W, ... of each, as it takes positions of a map-style set's order. Every process (and each of its loader
 workers) reads the whole stream and keeps its share: worker w of K makes this process's batches w, w+K, ..., which
 the DataLoader hands out in turn. A resume replays the stream to the global sample it stopped at, so it continues
-exactly on any number of processes.
+exactly on any number of processes; a stream with a position of its own (`state_dict()`/`load_state_dict()`, as
+HuggingFace's IterableDataset has) read in the training process itself continues from that position instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ class StreamShare(IterableDataset):
         self.collate_fn, self.whole = collate_fn, whole
         self.epoch, self.start_batch = 0, 0
         self.size = stream_length(stream)
+        self.in_process = True  # read by the process itself: its loader has no workers, each with a copy
+        self._restored = False  # the stream stands where the checkpoint stopped: no replay
+
+    def state_dict(self) -> dict:
+        """The stream's own position, where it has one and is read in this process (with loader workers each
+        holds a copy of its own, and a resume replays)."""
+        own = getattr(self.stream, "state_dict", None)
+        return {"stream": own()} if callable(own) and self.in_process else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = getattr(self.stream, "load_state_dict", None)
+        if "stream" in state and callable(own) and self.in_process:
+            own(state["stream"])
+            self._restored = True
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -59,11 +74,15 @@ class StreamShare(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if callable(getattr(self.stream, "set_epoch", None)):
+        restored, self._restored = self._restored, False
+        if callable(getattr(self.stream, "set_epoch", None)) and not restored:
             self.stream.set_epoch(self.epoch)  # a stream's own shuffle (HF's buffer) follows the epoch
         samples = iter(self.stream)
         per_batch = self.batch_size * self.num_replicas
-        if self.start_batch:
+        if restored and self.rank == 0:
+            log.info("resuming the stream %s from its own position (its state_dict), %d samples into epoch %d",
+                     type(self.stream).__name__, self.start_batch * per_batch, self.epoch)
+        elif self.start_batch:
             self._replay(samples, self.start_batch * per_batch, announce=worker == 0)
         for batch in itertools.count():
             chunk = list(itertools.islice(samples, per_batch))

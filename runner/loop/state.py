@@ -36,6 +36,7 @@ def state_dict(loop: Any) -> dict:
         "epoch": p.epoch,
         "samples_in_epoch": p.batch * loop.train.batch_size * loop.strategy.world_size,
         "data": dict(loop.train.identity),  # what that position is a position in
+        "data_state": loop.train.state_dict(),  # a stream's own position, where it has one
         "global_batch_size": loop.global_batch,
         "metrics": dict(p.metrics),
         "rng": _rng_state(),
@@ -69,6 +70,8 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
     loop.scheduler.load_state_dict(checkpoint["scheduler"])
     _apply_settings(loop.optimizer, loop.scheduler, configured, base_lrs)
     loop.precision.load_state_dict(checkpoint.get("precision", {}))
+    if samples:  # mid-epoch in the same data: a stream with a position of its own takes it
+        loop.train.load_state_dict(checkpoint.get("data_state", {}))
     loop.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
                              dict(checkpoint.get("metrics", {})))
     _set_rng_state(checkpoint["rng"])
