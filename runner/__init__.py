@@ -33,7 +33,9 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> Any:
     """The config `python -m runner <overrides>` would run, for `fit` (and tests) to use from Python.
 
     `config_dir`: a folder of your own config groups and options (e.g. `model/mynet.yaml`), added to the built-in
-    ones as `--config-dir` adds it on the command line. Works inside another Hydra app or after `hydra.initialize()`.
+    ones as `--config-dir` adds it on the command line: an option of a built-in option's name (`optimizer/adamw.yaml`)
+    is the one composed, with a warning naming what it shadows; the primary config stays the runner's. Works inside
+    another Hydra app or after `hydra.initialize()`.
     """
     from runner.config import compose as _compose
 

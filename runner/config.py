@@ -6,6 +6,7 @@ passes are runner.checks; compose runs their first ones (runner.checks.keys), wh
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -99,9 +100,116 @@ def _name_yaml_errors_by_file() -> None:
     ConfigRepository.load_config = load_config
 
 
+def _is_built_in(source: Any) -> bool:
+    """Whether a config source is the runner's own groups: `pkg://runner.conf`, or their folder named as a file path."""
+    if source.scheme() == "pkg":
+        return source.path == CONFIG_MODULE
+    return source.scheme() == "file" and os.path.realpath(source.path) == CONFIG_DIR
+
+
+def _shown(source: str, config_path: str) -> str:
+    """A config file of a source (`file://...`, `pkg://...`) as a user would type it: relative to the current folder
+    where it is inside."""
+    scheme, _, folder = source.partition("://")
+    if scheme != "file":
+        return f"{source}/{config_path}.yaml"
+    path = os.path.join(os.path.abspath(folder), f"{config_path}.yaml")
+    inside = os.path.relpath(path)
+    return path if inside.startswith("..") else inside
+
+
+_said: set[str] = set()  # lines about the user's files this command has said (a sweep composes once per job)
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        log.warning("%s", line)
+
+
+def _let_the_users_options_win() -> None:
+    """An option of the user's folder (`--config-dir`, `hydra.searchpath`, `runner.compose(config_dir=...)`) with a
+    built-in option's name is the one composed, with a line saying so once per command.
+
+    Hydra reads the first source of its search path holding a config, and the runner's groups come first there
+    (they are the app's config path): `my_conf/optimizer/adamw.yaml` was silently never read. The primary config
+    stays the runner's, as in Hydra, where the app's config path comes before `--config-dir`; a user's
+    `config.yaml` beside it is named as not read. Set on the repository, as the YAML errors above are.
+    """
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra.core.object_type import ObjectType
+
+    find = ConfigRepository._find_object_source
+    if getattr(find, "users_options_win", False):
+        return
+
+    def _find_object_source(self: Any, config_path: str, object_type: Any) -> Any:
+        source = find(self, config_path, object_type)
+        if object_type != ObjectType.CONFIG or source is None or not _is_built_in(source):
+            return source
+        later = self.sources[self.sources.index(source) + 1:]
+        mine = next((s for s in later if s.provider != "schema" and not _is_built_in(s) and s.is_config(config_path)),
+                    None)
+        if mine is None:
+            return source
+        group, _, name = config_path.strip("/").rpartition("/")
+        mine_shown = _shown(f"{mine.scheme()}://{mine.path}", config_path)
+        if not group:  # the primary config
+            _say_once(f"{mine_shown} is not read: the runner's own {name}.yaml stays the primary "
+                      "config (put your defaults in an experiment, "
+                      f"{os.path.join(os.path.dirname(mine_shown), 'experiment', '<name>.yaml')}, and choose it with "
+                      "experiment=<name>)")
+            return source
+        _say_once(f"{mine_shown} shadows the built-in {group}={name}")
+        return mine
+
+    _find_object_source.users_options_win = True  # type: ignore[attr-defined]
+    ConfigRepository._find_object_source = _find_object_source
+
+
+def _package(result: Any, config_path: str) -> str:
+    """Where a loaded option's keys go: its `# @package` header, else its group (`logger/csv` -> `logger`)."""
+    package = (result.header or {}).get("package")
+    if package in (None, "_group_"):
+        return config_path.rpartition("/")[0].replace("/", ".")
+    return "" if package == "_global_" else package.removeprefix("_global_.")
+
+
+def _refuse_lightning_options() -> None:
+    """A user's option file naming Lightning's Trainer, or one of its stock loggers or callbacks (a
+    lightning-hydra-template tree: `trainer/default.yaml`, `logger/csv.yaml`), is one line naming the runner's
+    equivalent, said as the file is read: Hydra cannot even merge a Trainer's `_target_` into the trainer group.
+    """
+    from hydra._internal.config_repository import ConfigRepository
+
+    from runner.checks.keys import lightning_classes
+
+    load = ConfigRepository.load_config
+    if getattr(load, "refuses_lightning", False):
+        return
+
+    @functools.wraps(load)  # keeps the flags of the wrapper it wraps
+    def load_config(self: Any, config_path: str) -> Any:
+        result = load(self, config_path)
+        if result is None or result.provider == "schema" or not OmegaConf.is_dict(result.config):
+            return result
+        lines = lightning_classes(OmegaConf.to_container(result.config, resolve=False), _package(result, config_path))
+        if lines:
+            shown, (group, _, name) = _shown(result.path, config_path), config_path.rpartition("/")
+            if group and any(_is_built_in(s) and s.is_config(config_path) for s in self.sources):
+                lines[-1] += f" (remove or rename {shown}, which shadows the built-in {group}={name})"
+            raise ConfigError([f"{shown}: {line}" for line in lines])
+        return result
+
+    load_config.refuses_lightning = True  # type: ignore[attr-defined]
+    ConfigRepository.load_config = load_config
+
+
 def register_configs() -> None:
     _share_the_config_store_in_copies()
     _name_yaml_errors_by_file()
+    _let_the_users_options_win()
+    _refuse_lightning_options()
     # Outside any group, so --help lists only the real options.
     store = ConfigStore.instance()
     store.store(name="runner_schema", node=RunnerConfig)
@@ -131,6 +239,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
 
     register_resolvers()
     register_configs()
+    _said.clear()  # one command
     problems = check_overrides(overrides, CONFIG_DIR)
     if problems:
         raise ConfigError(problems)
@@ -139,7 +248,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
         folder = Path(config_dir).resolve()
         if not folder.is_dir():
             raise ConfigError([f"config_dir={config_dir} is not a folder"])
-        # Where --config-dir goes: after the built-in groups, so it adds options and never hides one.
+        # Where --config-dir goes; an option of its with a built-in option's name wins (_let_the_users_options_win).
         search_path.prepend("runner.compose(config_dir)", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
     global_hydra, version = GlobalHydra.instance(), VersionBase.instance()
     outer, outer_version = global_hydra.hydra, version.getbase()

@@ -32,12 +32,13 @@ def user_conf(tmp_path: Path) -> Path:
     return folder
 
 
-def test_config_dir_adds_options_and_keeps_every_built_in_one(user_conf: Path) -> None:
+def test_config_dir_adds_options_and_its_own_option_of_a_built_in_name_wins(user_conf: Path) -> None:
     cfg = runner.compose(["model=tiny", "strategy=ddp", "logger=tensorboard"], config_dir=user_conf)
     assert cfg.model.hidden == 4 and cfg.strategy._target_ == "runner.strategies.DDPStrategy"
-    # The built-in primary config and options stay: a user's folder adds, it never replaces or hides.
+    # The built-in primary config stays (its default is model=mlp, not the user's config.yaml's model=tiny), and
+    # the user's model/mlp.yaml is the model=mlp it chooses (tests/test_user_config_tree.py has the line saying so).
     default = runner.compose([], config_dir=user_conf)
-    assert default.model.hidden == 128 and default.trainer.max_epochs is None  # the built-in default
+    assert default.model.hidden == 999 and default.trainer.max_epochs is None
 
 
 def test_a_missing_config_dir_is_a_config_error(tmp_path: Path) -> None:

@@ -2,14 +2,17 @@
 
 CLI → compose → [validate: these checks, after the plain values] → run folder → launch → worker → build → loop →
 teardown. Binding, not building: it costs microseconds and imports nothing beyond the targets' modules. Hydra's
-`+key` adds keys past any schema, so this is what finds `+strategy.timeot=5` or `+model.widht=8`.
+`+key` adds keys past any schema, so this is what finds `+strategy.timeot=5` or `+model.widht=8`. The keys an option
+file left when the config changed its `_target_` (an experiment without `- override /model: null`) are one line.
 """
 from __future__ import annotations
 
 import inspect
 import typing
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import yaml
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -55,9 +58,13 @@ def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, .
                         if p.kind in _NAMED and n not in ("self", *kwargs_skip) and n not in allowed})
         takes_kwargs = False
     settings = [k for k in node if not str(k).startswith("_")]
+    unknown = [str(k) for k in settings if k not in allowed] if not takes_kwargs else []
+    left = _left_by_option(key, node, unknown)
+    if left:
+        yield _left_line(key, node._target_, *left)
     for name in settings:
         if name not in allowed:
-            if not takes_kwargs:
+            if name in unknown and not (left and name in left[1]):
                 names = sorted(allowed)
                 yield (f"{key}.{name} is not a setting of {key} ({node._target_}){suggest(str(name), names)}; "
                        f"allowed: {', '.join(names) if names else 'none'}")
@@ -72,6 +79,51 @@ def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, .
         problem = _type_problem(allowed[name], value)
         if problem:
             yield f"{key}.{name}={show(node[name])} {problem} ({node._target_})"
+
+
+def _left_by_option(group: str, node: Any, unknown: list[str]) -> Optional[tuple[str, list[str]]]:
+    """The option whose file left its keys in `group` when the config changed its `_target_` (an experiment without
+    `- override /group: null`, or `group._target_=...`), and those of `unknown` it left, when several: the chosen
+    option where this process runs a Hydra job, else the one whose values the keys still have."""
+    if "." in group or len(unknown) < 2:
+        return None
+    raw = OmegaConf.to_container(node, resolve=False)
+    found = []
+    for option, spec, chosen in _option_files(group):
+        left = [k for k in unknown if k in spec]
+        if spec.get("_target_") not in (None, node._target_) and len(left) > 1:
+            found.append((not chosen, -sum(spec[k] == raw[k] for k in left), option, left))
+    return min(found)[2:] if found else None
+
+
+def _left_line(group: str, target: str, option: str, left: list[str]) -> str:
+    """One line for the leftover keys, where each would be a line of its own naming none of the fix."""
+    return (f"{group}._target_ is {target} but {group}={option}'s keys remain ({', '.join(left)}): add "
+            f'"- override /{group}: null" to the experiment\'s defaults, or delete them with '
+            + " ".join(f"~{group}.{k}" for k in left))
+
+
+def _option_files(group: str) -> Iterator[tuple[str, dict, bool]]:
+    """The options of `group` as plain data, and whether each is the chosen one (known where this process runs a
+    Hydra job): the user's config folders' before the built-in ones. Read, never composed: this only names where
+    keys came from."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.config import CONFIG_DIR
+
+    folders, chosen = [], None
+    if HydraConfig.initialized():
+        runtime = HydraConfig.get().runtime
+        chosen = runtime.choices.get(group)
+        folders = [s.path for s in runtime.config_sources if s.schema == "file"]
+    for folder in dict.fromkeys([*folders, CONFIG_DIR]):
+        for path in sorted(Path(folder, group).glob("*.yaml")):
+            try:
+                spec = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+                continue
+            if isinstance(spec, dict):
+                yield path.stem, spec, path.stem == chosen
 
 
 def _type_problem(param: inspect.Parameter, value: Any) -> Optional[str]:
