@@ -76,7 +76,7 @@ def build_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model)
 
 
-def build_data(cfg: DictConfig, strategy: Any = None) -> Any:
+def build_data(cfg: DictConfig, strategy: Any = None, trainer: Any = None) -> Any:
     """The data, prepared (a data module's prepare_data once per node, its setup in every process, see
     runner.data.prepare), then checked: every process built the same (one collective), the loop can read it, its
     first samples form a batch, and the model and task take its batches (on the meta device: a model whose input
@@ -89,7 +89,8 @@ def build_data(cfg: DictConfig, strategy: Any = None) -> Any:
     from runner.data.modules import rank_difference
 
     kept = _handed_over(cfg)
-    data = prepare(build_unchecked_data(cfg) if kept is _NOTHING else kept, strategy, cfg.get("stage", "fit"))
+    data = prepare(build_unchecked_data(cfg) if kept is _NOTHING else kept, strategy, cfg.get("stage", "fit"),
+                   trainer)  # a data module's `trainer`: the run's TrainerView
     # The agreement first, on every process alike: it is a collective, which a process that raised would not reach.
     problem = (rank_difference(data, strategy) or data_contract(cfg, data) or first_batches_problem(cfg, data)
                or model_data_mismatch(cfg, data))

@@ -30,6 +30,7 @@ from runner import build
 from runner import stages
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
+from runner.lightning import TrainerView
 from runner.logs import apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.loggers.tracking import flatten
@@ -150,6 +151,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     if strategy.is_global_zero:
         log.info(stages.run_line(info))
     precision = strategy.precision
+    view = TrainerView(cfg, strategy, run_dir)  # what Lightning code reads as `self.trainer` (a data module's too)
     with precision.module_init_context():
         model = build.build_model(cfg)
     task = TaskModule(precision.convert_module(model), build.build_task(cfg), precision)
@@ -160,7 +162,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
     optimizer = build.build_optimizer(cfg, model)
-    data = build.build_data(cfg, strategy)
+    data = build.build_data(cfg, strategy, view)
     sampler_kwargs = strategy.distributed_sampler_kwargs
     dev_run = bool(cfg.trainer.fast_dev_run)
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
@@ -174,6 +176,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks,
                 run_info=info)
+    view.attach_loop(loop)
     heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path

@@ -24,9 +24,13 @@ def is_data_module(data: Any) -> bool:
     return any(callable(getattr(data, name, None)) for name in ("prepare_data", "setup"))
 
 
-def prepare(data: Any, strategy: Any, stage: str) -> Any:
+def prepare(data: Any, strategy: Any, stage: str, trainer: Any = None) -> Any:
     """A LightningDataModule's order: `prepare_data()` once per node (its local rank 0; the other processes wait),
-    then `setup(stage)` in every process; the data the runner's loaders read comes back (see `ready`)."""
+    then `setup(stage)` in every process; the data the runner's loaders read comes back (see `ready`). A data object
+    with a `trainer` attribute (a LightningDataModule's) gets `trainer`, the run's view, before both."""
+    from runner.lightning.trainer_view import attach_to_data
+
+    attach_to_data(trainer, data)
     if callable(getattr(data, "prepare_data", None)):
         _once_per_node(data.prepare_data, strategy, per_node=getattr(data, "prepare_data_per_node", True))
     return ready(data, stage)

@@ -1,0 +1,220 @@
+"""Lightning code as a Lightning project has it, for tests/test_lightning.py (importable by launched workers).
+
+`LitClassifier` is shaped like lightning-hydra-template's MNISTLitModule (torchmetrics objects logged, the best
+validation accuracy in on_validation_epoch_end, Adam with ReduceLROnPlateau on val/loss), on the runner's synthetic
+data (`data=synthetic`: batches of (inputs, targets)); its constructor takes the `model=mlp` keys.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification.accuracy import Accuracy
+
+from runner.data import SyntheticClassification
+
+
+class GlobalBatchData(pl.LightningDataModule):
+    """Keeps the global batch whatever the number of processes: setup() divides it by `self.trainer.world_size`
+    (a LightningDataModule reads its Trainer so). Loaders as a LightningDataModule gives them."""
+
+    def __init__(self, global_batch_size: int = 16, num_samples: int = 256, val_samples: int = 64,
+                 num_features: int = 8, num_classes: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.settings = dict(num_samples=num_samples, val_samples=val_samples, num_features=num_features,
+                             num_classes=num_classes, seed=seed)
+        self.batch_size: Optional[int] = None
+
+    def setup(self, stage: str) -> None:
+        self.batch_size = self.global_batch_size // self.trainer.world_size
+        self.data = SyntheticClassification(batch_size=self.batch_size, **self.settings)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data.train_dataset, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data.val_dataset, batch_size=self.batch_size)
+
+
+class LitClassifier(pl.LightningModule):
+    """MNISTLitModule's shape: a net, a criterion, MeanMetric/Accuracy objects per stage logged with on_epoch=True,
+    val/acc_best from on_validation_epoch_end, and Adam with ReduceLROnPlateau monitoring val/loss.
+
+    `record` (a folder): each hook appends `<hook> <rank> <global_step> <current_epoch>` to `<record>/hooks`.
+    """
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, depth: int = 2, num_classes: int = 4,
+                 lr: float = 0.01, patience: int = 0, record: Optional[str] = None) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        self.net = nn.Sequential(*layers, nn.Linear(width, num_classes))
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self.test_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _note(self, hook: str) -> None:
+        if self.hparams.record:
+            with open(Path(self.hparams.record) / "hooks", "a") as file:
+                file.write(f"{hook} {self.global_rank} {self.global_step} {self.current_epoch}\n")
+
+    def setup(self, stage: str) -> None:
+        self._note(f"setup:{stage}")
+
+    def on_train_start(self) -> None:
+        self._note("on_train_start")
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.val_acc_best.reset()
+
+    def model_step(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = batch
+        logits = self.forward(x)
+        return self.criterion(logits, y), torch.argmax(logits, dim=1), y
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, preds, targets = self.model_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, targets)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._note("on_train_epoch_start")
+
+    def on_train_epoch_end(self) -> None:
+        self._note("on_train_epoch_end")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, preds, targets = self.model_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, targets)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        acc = self.val_acc.compute()
+        self.val_acc_best(acc)
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        loss, preds, targets = self.model_step(batch)
+        self.test_loss(loss)
+        self.test_acc(preds, targets)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_fit_end(self) -> None:
+        self._note("on_fit_end")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.Adam(self.trainer.model.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5,
+                                                               patience=self.hparams.patience)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": "epoch", "frequency": 1}}
+
+
+class LitPlain(pl.LightningModule):
+    """The shortest LightningModule: a loss tensor from training_step, `self.log` of tensors and numbers, an SGD
+    optimizer returned as such. `skip_every` > 0: training_step returns None for batches whose index it divides."""
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, depth: int = 2, num_classes: int = 4,
+                 lr: float = 0.1, skip_every: int = 0) -> None:
+        super().__init__()
+        self.lr, self.skip_every = lr, skip_every
+        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        if self.skip_every and batch_idx % self.skip_every == 0:
+            return None
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss_seen", loss)
+        self.log("world", float(self.trainer.world_size))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val/loss", nn.functional.cross_entropy(logits, y))
+        self.log("val/acc", (logits.argmax(dim=1) == y).float().mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class StepsItself(LitPlain):
+    """Overrides optimizer_step: refused before launch."""
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+class ManualOptimization(LitPlain):
+    """automatic_optimization = False with two optimizers: refused before launch."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> list:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class RecordingCallback(pl.Callback):
+    """A user's own Lightning callback: notes its hooks in `<folder>/callback` with what the trainer view says."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self.validations = 0
+
+    def _note(self, line: str) -> None:
+        with open(self.folder / "callback", "a") as file:
+            file.write(line + "\n")
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._note(f"on_fit_start {trainer.global_rank}/{trainer.world_size} {type(pl_module).__name__}")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.validations += 1
+        self._note(f"on_validation_end {trainer.global_rank} {trainer.global_step} "
+                   f"{float(trainer.callback_metrics['val/loss']):.6f}")
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._note(f"on_train_epoch_end {trainer.global_rank} {trainer.current_epoch}")
+
+    def state_dict(self) -> dict:
+        return {"validations": self.validations}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.validations = state["validations"]
+
+
+class SanityCallback(pl.Callback):
+    """Overrides on_sanity_check_start, which the runner never calls: refused before launch."""
+
+    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
