@@ -8,9 +8,10 @@ its state (the step count) is checkpointed with the run.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -108,3 +109,47 @@ def schedule_problem(rates: Sequence[float], planned: int, reference: float) -> 
         return (f"the learning rate is 0 from step {zero_from + 1} to the run's last step {planned}: "
                 f"{planned - zero_from} of its {planned} optimizer steps train nothing")
     return None
+
+
+# -- what a checkpoint records of its schedule: the scheduler, its settings, and the steps it was planned over ----
+
+def configured(flat: Mapping[str, Any]) -> dict:
+    """The scheduler's settings from the flattened resolved config (its `scheduler.<key>` keys, as the loop's
+    hparams hold them): `_target_` and what it is called with."""
+    prefix = "scheduler."
+    return {key[len(prefix):]: value for key, value in sorted(flat.items())
+            if key.startswith(prefix) and key != "scheduler._partial_"}
+
+
+def takes_total_steps(settings: Mapping[str, Any]) -> bool:
+    """The runner passes the run's step count to this scheduler (it takes `total_steps`, its config leaves it out)."""
+    from hydra.utils import get_method
+
+    try:
+        takes = "total_steps" in inspect.signature(get_method(str(settings.get("_target_")))).parameters
+    except Exception:  # noqa: BLE001 - a target that does not import is reported by the config checks
+        return False
+    return takes and "total_steps" not in settings
+
+
+def plan(settings: Mapping[str, Any], start: int, steps: int) -> dict:
+    """The checkpoint's record: `settings`, the step the schedule started at, and the optimizer steps it is
+    planned over from there (the configured total_steps, the run's `steps`, or None: not planned over steps)."""
+    total = settings.get("total_steps", steps if takes_total_steps(settings) else None)
+    return {"scheduler": dict(settings), "start": start, "total_steps": total}
+
+
+def described(settings: Mapping[str, Any]) -> str:
+    """`cosine (min_lr_ratio=0.0)`: the target's last name and its settings."""
+    name = str(settings.get("_target_", "an unknown scheduler")).rpartition(".")[2]
+    shown = ", ".join(f"{key}={value}" for key, value in settings.items() if key != "_target_")
+    return f"{name} ({shown})" if shown else name
+
+
+def schedule_change(saved: Mapping[str, Any], mine: Mapping[str, Any], path: Any, step: Any) -> Optional[str]:
+    """One line refusing an exact resume whose configured scheduler or settings are not the checkpoint's, or None."""
+    if dict(saved) == dict(mine):
+        return None
+    return (f"trainer.ckpt_path={path} was trained with scheduler {described(saved)}, this run configures "
+            f"{described(mine)}; resume with the scheduler it was trained with, or set trainer.resume=new_schedule "
+            f"to start this one at step {step} over the remaining steps")

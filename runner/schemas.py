@@ -39,6 +39,8 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
     progress_bar: Any = "auto"  # auto: a bar when the console is a terminal; true: always; false: never
     data_resume: str = "exact"  # exact: continue the data where the checkpoint stopped; restart: its epoch afresh
+    # From ckpt_path: exact (its schedule goes on), new_schedule (the configured one from its step), weights (alone)
+    resume: str = "exact"
 
 
 @dataclass

@@ -34,13 +34,35 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
         return
     per_step = cfg.data.get("batch_size", 1) * processes * cfg.trainer.accumulate_grad_batches
     samples = checkpoint.get("samples_in_epoch", 0)
-    if samples % per_step and cfg.get("stage", "fit") == "fit":  # other stages take the weights only
+    # Other stages, and trainer.resume=weights, take the weights only: no data position, optimizer or schedule.
+    resume = cfg.trainer.get("resume", "exact") if cfg.get("stage", "fit") == "fit" else "weights"
+    if samples % per_step and resume != "weights":
         # The first step would train on part of a global batch (or skip samples): the data would not continue.
         yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of this "
                f"run's global batches (data.batch_size x processes x trainer.accumulate_grad_batches = {per_step}); "
                f"resume with its global batch ({checkpoint.get('global_batch_size')})")
     yield from _check_model_fits(cfg, path, checkpoint["model"])
-    yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
+    if resume != "weights":
+        yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
+    if resume == "exact":
+        yield from _check_same_scheduler(cfg, path, checkpoint)
+
+
+def _check_same_scheduler(cfg: DictConfig, path: Any, checkpoint: dict) -> Iterator[str]:
+    """An exact resume continues the checkpoint's schedule: another scheduler or other settings are one line
+    naming both (older checkpoints record none; the worker refuses another scheduler's state)."""
+    from omegaconf import OmegaConf
+
+    from runner.loggers.tracking import flatten
+    from runner.schedulers import configured, schedule_change
+
+    saved = checkpoint.get("schedule")
+    if not isinstance(saved, dict) or not isinstance(saved.get("scheduler"), dict):
+        return
+    mine = configured(flatten(OmegaConf.to_container(cfg.scheduler, resolve=True), "scheduler."))
+    problem = schedule_change(saved["scheduler"], mine, path, checkpoint.get("step"))
+    if problem:
+        yield problem
 
 
 def _read_checked(cfg: DictConfig, path: Any) -> dict:

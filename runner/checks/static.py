@@ -55,6 +55,13 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     if t.get("data_resume", "exact") not in ("exact", "restart"):
         yield (f"trainer.data_resume={t.data_resume} is not allowed: use exact (continue the data where the "
                "checkpoint stopped) or restart (its epoch from the first batch)")
+    resume = t.get("resume", "exact")
+    if resume not in ("exact", "new_schedule", "weights"):
+        yield (f"trainer.resume={resume} is not allowed: use exact (continue the checkpoint's schedule), "
+               "new_schedule (the configured scheduler from its step over the steps left) or weights (its weights "
+               "only, from step 0)")
+    elif resume != "exact" and not t.ckpt_path:
+        yield f"trainer.resume={resume} takes a checkpoint: set trainer.ckpt_path=<file>"
     if not (isinstance(t.compile, bool) or OmegaConf.is_dict(t.compile)):
         yield (f"trainer.compile={t.compile} must be true, false, or torch.compile's keyword arguments, "
                "e.g. trainer.compile={mode:max-autotune}")

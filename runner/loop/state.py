@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import ConfigError
 from runner.loop.schedule import Progress
 from runner.loop.step import NonFiniteLossError
+from runner.schedulers import configured, described, plan, schedule_change
 
 log = logging.getLogger("runner")
 
@@ -42,14 +44,46 @@ def state_dict(loop: Any) -> dict:
         "rng": _rng_state(),
         "callbacks": loop.callbacks.state_dict(),
         "train_window": loop.train_log.state_dict(),  # a collective: every process saves
+        "schedule": _schedule_record(loop, _schedule_start(loop)),  # what a resume must continue (or start anew)
+        "run_dir": _run_folder(loop),  # its own checkpoints a run always resumes exactly (restarts, requeues)
     }
 
 
 def load_state_dict(loop: Any, checkpoint: dict) -> None:
-    """Resume `loop` where `checkpoint` stopped, with this run's optimizer settings."""
+    """Resume `loop` where `checkpoint` stopped, with this run's optimizer settings; under trainer.resume=new_schedule
+    with the configured schedule started afresh at its step, under trainer.resume=weights from its weights alone."""
     # The pre-launch check read the file; this is what every process got (weights: checked there).
     check_checkpoint(loop.cfg.get("ckpt_path"), checkpoint, task_name(loop.task.task), weights=False)
+    mode = _resume_mode(loop, checkpoint)
+    if mode == "weights":
+        _load_weights_only(loop, checkpoint)
+        return
+    samples = _checked_position(loop, checkpoint)
+    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    configured_groups = [dict(group, params=None) for group in loop.optimizer.param_groups]  # this run's settings
+    base_lrs = list(getattr(loop.scheduler, "base_lrs", [g["lr"] for g in configured_groups]))
+    _check_same_optimizer(loop.optimizer, checkpoint)
+    if mode == "new_schedule":
+        loop.optimizer.load_state_dict(checkpoint["optimizer"])  # its moments, at this run's settings from here
+        _new_schedule(loop, checkpoint["step"], configured_groups, base_lrs)
+    else:
+        _continue_schedule(loop, checkpoint)
+        _apply_settings(loop.optimizer, loop.scheduler, configured_groups, base_lrs)
+    loop.precision.load_state_dict(checkpoint.get("precision", {}))
+    if samples:  # mid-epoch in the same data: a stream with a position of its own takes it
+        loop.train.load_state_dict(checkpoint.get("data_state", {}))
     per_batch = loop.train.batch_size * loop.strategy.world_size
+    loop.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
+                             dict(checkpoint.get("metrics", {})))
+    _set_rng_state(checkpoint["rng"])
+    loop.callbacks.load_state_dict(checkpoint.get("callbacks", {}))
+    loop.train_log.load_state_dict(checkpoint.get("train_window", {}))  # older checkpoints: an empty window
+    loop.logger.resume_at(checkpoint["step"] + 1)
+    loop.last_val_step = -1
+
+
+def _checked_position(loop: Any, checkpoint: dict) -> int:
+    """The samples into its epoch where this run's data continues, refused when not whole global batches."""
     samples, saved_batch = _data_position(loop, checkpoint), checkpoint.get("global_batch_size")
     if samples % loop.global_batch:  # the first step would train on part of a batch, or skip samples
         raise ConfigError([
@@ -62,23 +96,118 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
         log.warning("resuming a run trained with a global batch of %d with one of %d: the data continues "
                     "where it stopped, but each step now averages over %d samples", saved_batch,
                     loop.global_batch, loop.global_batch)
+    return samples
+
+
+# -- the schedule on resume: the checkpoint's continued (exact), the configured one from here, or none (weights) --
+
+def _run_folder(loop: Any) -> str:
+    return str(Path(loop.run_dir).resolve())
+
+
+def _schedule_start(loop: Any) -> int:
+    """The step this run's schedule started at: 0, or where trainer.resume=new_schedule started it."""
+    return getattr(loop, "schedule_start", 0)
+
+
+def _schedule_record(loop: Any, start: int) -> dict:
+    return plan(configured(loop.hparams), start, loop.schedule.total_steps - start)
+
+
+def _resume_mode(loop: Any, checkpoint: dict) -> str:
+    """trainer.resume; a checkpoint this run folder wrote (a restart, a requeue, ckpt_path=last here) is always
+    resumed exactly: starting its schedule or its optimizer again would repeat at every restart."""
+    mode = loop.cfg.get("resume", "exact")
+    if mode != "exact" and checkpoint.get("run_dir") == _run_folder(loop):
+        log.warning("trainer.resume=%s takes another run's checkpoint; %s is this run folder's own (a restart, a "
+                    "requeue or trainer.ckpt_path=last here): resuming it exactly at step %d",
+                    mode, loop.cfg.get("ckpt_path"), checkpoint["step"])
+        return "exact"
+    return mode
+
+
+def _load_weights_only(loop: Any, checkpoint: dict) -> None:
+    """trainer.resume=weights: the model's weights; optimizer, schedule, data, step and callbacks start afresh."""
     loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
-    configured = [dict(group, params=None) for group in loop.optimizer.param_groups]  # this run's settings
-    base_lrs = list(getattr(loop.scheduler, "base_lrs", [g["lr"] for g in configured]))
-    _check_same_optimizer(loop.optimizer, checkpoint)
+    group = loop.optimizer.param_groups[0]
+    log.info("trainer.resume=weights: the model's weights of %s (trained %d steps); a new optimizer and schedule "
+             "(%s, lr %g) from step 0", loop.cfg.get("ckpt_path"), checkpoint["step"],
+             described(configured(loop.hparams)), group.get("initial_lr", group["lr"]))
+
+
+def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs: list[float]) -> None:
+    """trainer.resume=new_schedule: the configured scheduler, warm-up included, from `step` over the steps left,
+    from the configured optimizer lr and settings."""
+    total = loop.schedule.total_steps
+    if total - step < 1:
+        raise ConfigError([f"trainer.resume=new_schedule: the checkpoint is at step {step} and this run ends at step "
+                           f"{total} (trainer.max_steps={loop.cfg.max_steps}): raise trainer.max_steps to train on"])
+    for group, settings, base in zip(loop.optimizer.param_groups, configured_groups, base_lrs):
+        group.update({key: value for key, value in settings.items() if key != "params"}, lr=base, initial_lr=base)
+    _use_scheduler(loop, _built_scheduler(loop, total - step))
+    loop.schedule_start = step
+    record, steps = _schedule_record(loop, step), total - step
+    told = record["total_steps"]
+    note = f" (planned over its scheduler.total_steps={told})" if told not in (None, steps) else ""
+    log.info("trainer.resume=new_schedule: a new schedule from step %d: %s over the remaining %d steps%s, lr %g",
+             step, described(record["scheduler"]), steps, note, base_lrs[0])
+
+
+def _continue_schedule(loop: Any, checkpoint: dict) -> None:
+    """The checkpoint's schedule where it stopped: refused for another scheduler or settings (named), re-planned
+    with a line when this run ends elsewhere than the checkpoint's plan did."""
+    saved = checkpoint.get("schedule")
+    if saved is not None:  # older checkpoints hold no record: taken at their word, as before
+        mine = configured(loop.hparams)
+        problem = schedule_change(saved["scheduler"], mine, loop.cfg.get("ckpt_path"), checkpoint["step"])
+        if problem:
+            raise ConfigError([problem])
+        start = saved.get("start", 0)
+        if start:  # a schedule started at a later step: built again over its steps (before its state loads)
+            _use_scheduler(loop, _built_scheduler(loop, loop.schedule.total_steps - start))
+        loop.schedule_start = start
+        _say_replanned(saved, _schedule_record(loop, start))
     loop.optimizer.load_state_dict(checkpoint["optimizer"])
-    loop.scheduler.load_state_dict(checkpoint["scheduler"])
-    _apply_settings(loop.optimizer, loop.scheduler, configured, base_lrs)
-    loop.precision.load_state_dict(checkpoint.get("precision", {}))
-    if samples:  # mid-epoch in the same data: a stream with a position of its own takes it
-        loop.train.load_state_dict(checkpoint.get("data_state", {}))
-    loop.progress = Progress(checkpoint["step"], checkpoint["epoch"], samples // per_batch,
-                             dict(checkpoint.get("metrics", {})))
-    _set_rng_state(checkpoint["rng"])
-    loop.callbacks.load_state_dict(checkpoint.get("callbacks", {}))
-    loop.train_log.load_state_dict(checkpoint.get("train_window", {}))  # older checkpoints: an empty window
-    loop.logger.resume_at(checkpoint["step"] + 1)
-    loop.last_val_step = -1
+    _load_scheduler_state(loop, checkpoint["scheduler"])
+
+
+def _say_replanned(saved: dict, mine: dict) -> None:
+    """One line when the checkpoint's schedule was planned to end at another step than this run ends at."""
+    before, now, start = saved.get("total_steps"), mine["total_steps"], mine["start"]
+    if before is None or now is None or before == now:
+        return
+    log.warning("trainer.max_steps: the checkpoint's %s was planned over %d optimizer steps (to step %d), this run "
+                "ends at step %d: its decay is re-planned to end there from where it stopped (trainer.resume="
+                "new_schedule starts the schedule afresh over the remaining steps instead)",
+                described(saved["scheduler"]), before, start + before, start + now)
+
+
+def _load_scheduler_state(loop: Any, state: dict) -> None:
+    """A checkpoint of another scheduler's state is one line, not a KeyError or a rate of 0 (older checkpoints)."""
+    public = {key for key in loop.scheduler.state_dict() if not key.startswith("_") and key != "verbose"}
+    saved = {key for key in state if not key.startswith("_") and key != "verbose"}
+    if saved != public:
+        raise ConfigError([f"trainer.ckpt_path={loop.cfg.get('ckpt_path')} holds the state of another scheduler "
+                           f"({', '.join(sorted(saved))}) than this run's {type(loop.scheduler).__name__} "
+                           f"({', '.join(sorted(public))}); resume with the scheduler it was trained with, or set "
+                           "trainer.resume=new_schedule to start this one at the checkpoint's step"])
+    loop.scheduler.load_state_dict(state)
+
+
+def _built_scheduler(loop: Any, steps: int) -> Any:
+    """The configured scheduler over `steps` optimizer steps, built as the worker builds it."""
+    from omegaconf import OmegaConf
+
+    from runner.build import build_scheduler
+
+    node = OmegaConf.create({"scheduler": {"_partial_": True}})
+    for key, value in configured(loop.hparams).items():
+        OmegaConf.update(node, f"scheduler.{key}", value, force_add=True)
+    return build_scheduler(node, loop.optimizer, steps)
+
+
+def _use_scheduler(loop: Any, scheduler: Any) -> None:
+    loop.scheduler = loop.train_step.scheduler = scheduler
 
 
 def _data_position(loop: Any, checkpoint: dict) -> int:
