@@ -75,6 +75,32 @@ def _prepare_external_launch(argv: list[str]) -> list[str]:
             "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+_CHECK_STAGES = ("stage=check", "stage=check_data")
+
+
+def _prepare_check(argv: list[str]) -> list[str]:
+    """`stage=check` runs one job whatever the experiment says (lr_sweep's hydra.mode=MULTIRUN is checked as one
+    config, not launched), and without -m writes no run folder: its Hydra folder is the system's temporary one (it
+    exists already), with no .hydra/ and logging to the console only. Settings the user typed are kept."""
+    if not any(a.lstrip("+") in _CHECK_STAGES for a in argv) or any(
+            a in ("--help", "-h", "--info", "--cfg", "-c") for a in argv):
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        return argv  # Hydra's sweep: each job is checked in this process (runner.sweep writes the summary)
+    typed = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    extra = ["hydra.mode=RUN"]
+    if "hydra.run.dir" not in typed:
+        extra += [f"hydra.run.dir={tempfile.gettempdir()}", "hydra.output_subdir=null"]
+    if "hydra/job_logging" not in typed:
+        extra.append("hydra/job_logging=stdout")
+    return [*argv, *extra]
+
+
+def _check_run_dir(job_dir: Path) -> Optional[Path]:
+    """The run folder a check finds `trainer.ckpt_path=last|best` from: the user's hydra.run.dir, or none."""
+    return None if job_dir.resolve() == Path(tempfile.gettempdir()).resolve() else job_dir
+
+
 _NUMBER = re.compile(r"[+-]?\d+(\.\d+)?")
 
 
@@ -99,6 +125,8 @@ class RunFolders(Callback):
     said before Hydra's own mkdir fails with a traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.get("stage") in ("check", "check_data"):
+            return  # a check writes nothing in its folder, and takes none from a run
         _check_folder(config.hydra.run.dir, "hydra.run.dir")
         _take_run_folder(config.hydra.run.dir)
 
@@ -186,6 +214,9 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         _report(ConfigError([_REFUSED_SWEEP.format(launcher=_launcher_name(environment))]))
         sys.exit(1)
     fit = functools.partial(job.fit, own_logging=False, job_logging=chosen_job_logging(hydra_cfg))
+    checking = cfg.get("stage") in ("check", "check_data")
+    if checking and not multirun:
+        job_dir = _check_run_dir(job_dir)
     try:
         metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
     except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
@@ -208,6 +239,8 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
         if not multirun:
             sys.exit(128 + signum)
         _end_stopped_sweep(signum, job_dir)
+    if checking:
+        return None
     if multirun and cfg.objective not in metrics:
         known = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
         print(f"warning: objective={cfg.objective} is not a metric of job {job_dir.name} ({known}); "
@@ -242,7 +275,7 @@ def main() -> None:
     if problems:
         _report(ConfigError(problems))
         sys.exit(1)
-    sys.argv[1:] = _prepare_external_launch(_quote_numeric_choices(sys.argv[1:]))
+    sys.argv[1:] = _prepare_check(_prepare_external_launch(_quote_numeric_choices(sys.argv[1:])))
     try:
         hydra_main()
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up

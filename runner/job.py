@@ -219,7 +219,10 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     """Run one job from a composed config and return its final metrics (see `runner.fit`).
 
     `job_logging`: the job's `hydra/job_logging` when it is not Hydra's default, for the workers to apply.
+    `stage=check` (or check_data) checks the config instead, see `check`.
     """
+    if cfg.get("stage") in ("check", "check_data"):
+        return check(cfg, run_dir)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     drop_unselected_callbacks(cfg)
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
@@ -228,6 +231,22 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         validate(cfg, ckpt_path)
         check_writable(cfg, run_dir)
         return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+
+
+# Where `trainer.ckpt_path=last|best` is looked for by a check without a run folder: the runs under outputs/, where
+# a training run of the default layout would look. Never created.
+_UNMADE_RUN_DIR = Path("outputs") / "check"
+
+
+def check(cfg: DictConfig, run_dir: Any = None) -> dict:
+    """`stage=check`: every check the training run would pass (its checkpoint's too, `run_dir` or outputs/ finding
+    `last`/`best`), the model and task on the meta device over the first batch's shapes, and what it learned
+    (runner.checks.dry_run.check_config). Nothing is launched, trained or written."""
+    from runner.checks.dry_run import check_config, training_config
+
+    drop_unselected_callbacks(cfg)
+    ckpt_path = resolve_ckpt_path(training_config(cfg), Path(run_dir) if run_dir is not None else _UNMADE_RUN_DIR)
+    return check_config(cfg, ckpt_path)
 
 
 def _trains_here(cfg: DictConfig) -> bool:

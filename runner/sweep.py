@@ -60,6 +60,8 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
 
     Raises what `fit` raised, after recording the job as failed.
     """
+    if cfg.get("stage") in _CHECK_STAGES:
+        return _check_job(cfg, job_dir, sweep_dir, fit)
     digest = config_hash(cfg)
     metrics = finished_metrics(job_dir, digest)
     if metrics is not None:
@@ -84,6 +86,35 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
         status["wall_time_s"] = round(time.time() - start, 2)
         _write_status(job_dir, status)
         _write_summary(sweep_dir, cfg.objective, cfg.direction)
+
+
+_CHECK_STAGES = ("check", "check_data")
+
+
+def _check_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., dict]) -> dict:
+    """`-m stage=check ...`: one config checked in this process (never skipped: the code it names may have
+    changed), its outcome in the summary: ok with what the check learned, or failed with its first problem."""
+    status: dict[str, Any] = {"status": "running", "stage": cfg.stage}
+    start = time.time()
+    try:
+        findings = fit(cfg, job_dir)
+        status.update(status="ok", check={k: v for k, v in findings.items()
+                                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        return findings
+    except BaseException as error:
+        status.update(status="failed", error=first_problem(error))
+        raise
+    finally:
+        status["wall_time_s"] = round(time.time() - start, 2)
+        _write_status(job_dir, status)
+        _write_summary(sweep_dir, cfg.objective, cfg.direction, checking=True)
+
+
+def first_problem(error: BaseException) -> str:
+    """The first line a failed job's error gives (a ConfigError's first problem), and how many more it has."""
+    problems = getattr(error, "problems", None) or [str(error) or type(error).__name__]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return " ".join(str(problems[0]).split())[:500] + more
 
 
 def _continue_or_clear(cfg: DictConfig, job_dir: Path, resume_hash: str) -> None:
@@ -142,6 +173,7 @@ def _job_rows(sweep_dir: Path, objective: str) -> list[dict]:
         row = {"job": job_dir.name, "overrides": " ".join(overrides), "status": status["status"],
                "wall_time_s": status.get("wall_time_s", "")}
         row.update({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        row.update(status.get("check", {}))  # a checked config: parameters, FLOPs, bytes per process
         best = recorded_best(metrics, objective)
         if best is not None:  # beside the last value of each metric
             row.update({f"{objective} best": best["value"], f"{objective} best step": best.get("step")})
@@ -177,24 +209,33 @@ def _verdict(best: Optional[dict], objective: str, direction: str) -> str:
             f"the best of its validations (step {best[objective + ' best step']}; last {last}){overrides}.")
 
 
-def _write_summary(sweep_dir: Path, objective: str, direction: str) -> None:
-    """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel)."""
+def _check_verdict(rows: list[dict]) -> str:
+    """summary.md's first line for `-m stage=check`: how many configs passed, and the first that did not."""
+    failed = [r for r in rows if r["status"] != "ok"]
+    first = f"; the first failed: job {failed[0]['job']} ({failed[0]['overrides']}): {failed[0]['error']}" if failed else ""
+    return f"Checked {len(rows)} config(s): {len(rows) - len(failed)} passed, {len(failed)} failed{first}."
+
+
+def _write_summary(sweep_dir: Path, objective: str, direction: str, checking: bool = False) -> None:
+    """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel).
+    `checking`: a sweep of stage=check, whose rows say which configs passed and, for the others, the first problem."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = _job_rows(sweep_dir, objective)
-        best = best_job(rows, objective, direction)
+        best = None if checking else best_job(rows, objective, direction)
         for row in rows:
-            row["best"] = "yes" if row is best else ""
+            row.update({} if checking else {"best": "yes" if row is best else ""})
         columns = list(dict.fromkeys(key for row in rows for key in row))
-        for last in ("best", "error"):
+        for last in ("error",) if checking else ("best", "error"):
             columns.append(columns.pop(columns.index(last)))
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
         _replace(sweep_dir / "summary.csv", buffer.getvalue())
-        _replace(sweep_dir / "summary.md", _verdict(best, objective, direction) + "\n\n" + _markdown(rows, columns))
+        verdict = _check_verdict(rows) if checking else _verdict(best, objective, direction)
+        _replace(sweep_dir / "summary.md", verdict + "\n\n" + _markdown(rows, columns))
 
 
 def set_sweeper_direction(config: DictConfig) -> None:

@@ -89,7 +89,7 @@ def test_ckpt_path_best_finds_the_best_of_a_run_of_the_same_config(make_cfg: Mak
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (("stage=test",), r"stage=test needs the weights to use: trainer\.ckpt_path=<file>, last or best"),
-    (("stage=train",), r"stage=train is not allowed: use fit, validate, test or predict"),
+    (("stage=train",), r"stage=train is not allowed: use fit, validate, test, predict, check"),
 ])
 def test_bad_stages_are_refused_before_start(make_cfg: MakeCfg, overrides: tuple, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -122,9 +122,10 @@ def check_data(cfg: DictConfig) -> Iterator[str]:
 
 def check_stage(cfg: DictConfig) -> Iterator[str]:
     stage = cfg.get("stage", "fit")
-    if stage not in ("fit", "validate", "test", "predict"):
-        yield f"stage={stage} is not allowed: use fit, validate, test or predict"
-    elif stage != "fit" and not cfg.trainer.ckpt_path:
+    if stage not in ("fit", "validate", "test", "predict", "check", "check_data"):
+        yield (f"stage={stage} is not allowed: use fit, validate, test, predict, check (the config checked, nothing "
+               "run) or check_data (the same, with the data module's prepare_data and setup)")
+    elif stage in ("validate", "test", "predict") and not cfg.trainer.ckpt_path:
         yield (f"stage={stage} needs the weights to use: trainer.ckpt_path=<file>, last or best "
                "(the newest of this run folder, else of a run of the same config)")
 

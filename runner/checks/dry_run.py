@@ -1,0 +1,217 @@
+"""The check stage (`stage=check`): every check of `validate`, the model and task built on the meta device over the
+first batch's shapes, and what the run would hold per process; nothing launched, trained or written.
+
+CLI → compose → [validate → meta build → report] and stop: what CI calls instead of a short run. The config is
+checked as the training run it describes (stage=fit), in this one process, whatever the number of processes or
+devices it asks for: CPU "devices" cost nothing to name, and CUDA devices this machine lacks are stood in for
+(`machine_stand_in`), the device check skipped with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Literal, Optional
+from unittest import mock
+
+import torch
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from runner.build import (build_accelerator, build_data, build_environment, build_model, build_strategy, build_task,
+                          devices_setting, handing_over_data, python_rng_kept)
+from runner.checks import validate
+from runner.config import ConfigError
+from runner.values import one_line
+
+log = logging.getLogger("runner")
+
+# `check`: the config, its objects and the first batch of data built by its constructor; `check_data`: also a data
+# module's prepare_data() and setup("fit") (downloads, caches), and its first batch.
+CHECK_STAGES = ("check", "check_data")
+CheckStage = Literal["check", "check_data"]
+
+# States an optimizer keeps per parameter, each of the parameter's size: (class, states, extra state when set).
+_OPTIMIZER_STATES = (
+    (torch.optim.Adam, 2, "amsgrad"), (torch.optim.AdamW, 2, "amsgrad"), (torch.optim.NAdam, 2, None),
+    (torch.optim.RAdam, 2, None), (torch.optim.Adamax, 2, None), (torch.optim.Adadelta, 2, None),
+    (torch.optim.Adagrad, 1, None), (torch.optim.SGD, 0, "momentum"), (torch.optim.RMSprop, 1, "momentum"),
+)
+_BYTES = {"64-true": 8, "16-true": 2, "bf16-true": 2}  # weights' bytes per value; the others (mixed too) keep fp32
+
+
+def training_config(cfg: DictConfig) -> DictConfig:
+    """`cfg` as the training run it describes: a copy with stage=fit, which every check knows."""
+    checked = cfg.copy()
+    with open_dict(checked):
+        checked.stage = "fit"
+    return checked
+
+
+def check_config(cfg: DictConfig, ckpt_path: Optional[str] = None) -> dict:
+    """Raise ConfigError listing every problem of `cfg` (stage=check or check_data); else return what was learned:
+    `parameters`, `trainable`, `gflop_per_sample` (None when not counted), the per-process bytes and the report
+    line (`report`), which is also logged."""
+    stage = cfg.get("stage", "check")
+    checked = training_config(cfg)
+    with machine_stand_in(checked) as skipped, handing_over_data(lambda: True):
+        validate(checked, ckpt_path)
+        data = _checked_data(checked, with_setup=stage == "check_data")
+        findings = measure(checked, data)
+    findings["report"] = report_line(findings)
+    if skipped:
+        log.warning("check: %s", skipped)
+        findings["device_check"] = "skipped"
+    log.info("%s", findings["report"])
+    return findings
+
+
+def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
+    """The data (the checks' own build, handed over) after build_data's checks: contract, first batches, and the
+    model and task over its shapes on the meta device. None for a data module unless `with_setup`."""
+    from runner.data import is_data_module
+
+    try:
+        module = is_data_module(get_method(str(cfg.data._target_)))
+    except Exception:  # noqa: BLE001 - validate names a target that does not import
+        module = False
+    if module and not with_setup:
+        return None
+    quiet = log.level
+    log.setLevel(logging.WARNING)  # build_data's words on a build for training do not concern a check
+    try:
+        return build_data(cfg)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - its constructor, prepare_data or setup: one line, not a traceback
+        raise ConfigError([f"data ({cfg.data._target_}) cannot be built: {one_line(error)}"]) from error
+    finally:
+        log.setLevel(quiet)
+
+
+@contextlib.contextmanager
+def machine_stand_in(cfg: DictConfig) -> Iterator[Optional[str]]:
+    """CUDA devices the config asks for and this machine lacks, stood in for while the checks run: the devices
+    count as present (nothing runs on them: the model is built on the meta device). Yields the line saying the
+    device check was skipped, or None when this machine has what the config asks for."""
+    accelerator = build_accelerator(cfg)
+    if accelerator.device_type == "cpu":
+        yield None
+        return
+    setting = devices_setting(cfg, build_environment(cfg))
+    present = accelerator.auto_device_count() if accelerator.is_available() else 0
+    wanted = _devices_wanted(setting, present)
+    if wanted <= present:
+        yield None
+        return
+    kind = type(accelerator)
+    with mock.patch.object(kind, "is_available", lambda self: True), \
+            mock.patch.object(kind, "auto_device_count", lambda self: wanted):
+        yield (f"accelerator={accelerator.device_type} with trainer.devices={setting}: this machine has {present} "
+               f"{accelerator.device_type.upper()} device(s), so the device check was skipped; the rest was checked "
+               f"as on a machine with {wanted}")
+
+
+def _devices_wanted(setting: Any, present: int) -> int:
+    if OmegaConf.is_list(setting) or isinstance(setting, (list, tuple)):
+        return max(int(i) for i in setting) + 1
+    if setting in ("auto", -1, "-1"):
+        return max(present, 1)
+    return int(setting)
+
+
+def measure(cfg: DictConfig, data: Any) -> dict:
+    """Parameters (trainable and frozen) of the model built on the meta device, its FLOPs per sample over the first
+    batch's shapes (None without data), and the bytes per process its run would hold."""
+    with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+        model = build_model(cfg)
+    parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    total = sum(p.numel() for p in parameters)
+    flops, why_not = _gflop_per_sample(cfg, model, data)
+    findings = {"parameters": total, "trainable": trainable, "gflop_per_sample": flops, "flops_not_counted": why_not}
+    findings.update(per_process_memory(cfg, total, trainable))
+    return findings
+
+
+def _gflop_per_sample(cfg: DictConfig, model: Any, data: Any) -> tuple[Optional[float], str]:
+    """Forward and backward FLOPs of two samples of the training data, per sample (runner.flops' count), or None
+    and why they were not counted."""
+    from runner.data import collate
+    from runner.flops import count_flops
+    from runner.precision import Precision
+    from runner.tasks import TaskModule
+
+    dataset = getattr(data, "train_dataset", None)
+    if dataset is None or not hasattr(dataset, "__getitem__"):
+        return None, ("no first batch: the data module is not set up (stage=check_data sets it up)" if data is None
+                      else "no first batch: the training data is a stream")
+    samples = [dataset[i] for i in range(min(2, len(dataset)))]
+    try:
+        batch = (getattr(data, "collate_fn", None) or collate)(samples)
+        flops = count_flops(TaskModule(model, build_task(cfg), Precision()), batch)
+    except Exception as error:  # noqa: BLE001 - e.g. a model calling .item(), which the meta device cannot run
+        return None, f"the model does not run on the meta device ({one_line(error)[:120]})"
+    return (flops / len(samples) / 1e9, "") if samples and flops else (None, "no matrix products counted")
+
+
+def per_process_memory(cfg: DictConfig, total: int, trainable: int) -> dict:
+    """Bytes of weights, gradients and optimizer state in each process: ddp (and dp, single) keeps all of them in
+    every process, fsdp a 1/world-size share; optimizer state None where its class is not known here."""
+    strategy = build_strategy(cfg)
+    processes = strategy.processes.count if strategy.processes is not None else 1
+    external = getattr(strategy, "cluster_environment", None)
+    if external is not None and external.creates_processes_externally:
+        world = external.world_size()
+    else:
+        world = processes * cfg.trainer.num_nodes
+    name = type(strategy).__name__.replace("Strategy", "").lower().replace("singledevice", "single")
+    name = {"dataparallel": "dp"}.get(name, name)
+    share = world if name == "fsdp" else 1
+    precision = str(cfg.precision.get("precision", "32-true"))
+    size = _BYTES.get(precision, 4)
+    states = _optimizer_states(cfg)
+    return {"strategy": name, "world_size": world, "precision": precision,
+            "weights_bytes": total * size / share, "gradients_bytes": trainable * size / share,
+            "optimizer_state_bytes": None if states is None else states * trainable * size / share}
+
+
+def _optimizer_states(cfg: DictConfig) -> Optional[int]:
+    from runner.lightning import is_lightning_config
+
+    if is_lightning_config(cfg) or "optimizer" not in cfg or cfg.optimizer is None:
+        return None  # a LightningModule's configure_optimizers() chooses
+    try:
+        target = get_method(str(cfg.optimizer._target_))
+    except Exception:  # noqa: BLE001
+        return None
+    for kind, states, extra in _OPTIMIZER_STATES:
+        if isinstance(target, type) and issubclass(target, kind):
+            return states + (1 if extra and cfg.optimizer.get(extra) else 0)
+    return None
+
+
+def report_line(findings: dict) -> str:
+    """`check: ok — model 0.53M parameters (0.53M trainable), 2.4e-06 GFLOP per sample; per process (ddp, 8
+    processes, 32-true): weights 2.0 MiB, gradients 2.0 MiB, optimizer state 4.1 MiB`."""
+    flops = findings["gflop_per_sample"]
+    flops_text = (f"{flops:.2g} GFLOP per sample" if flops is not None
+                  else f"FLOPs not counted ({findings['flops_not_counted']})")
+    state = findings["optimizer_state_bytes"]
+    state_text = _size(state) if state is not None else "not estimated (an optimizer this check does not know)"
+    world = findings["world_size"]
+    return (f"check: ok — model {_count(findings['parameters'])} parameters ({_count(findings['trainable'])} "
+            f"trainable), {flops_text}; per process ({findings['strategy']}, {world} process{'es' if world > 1 else ''}"
+            f", {findings['precision']}): weights {_size(findings['weights_bytes'])}, gradients "
+            f"{_size(findings['gradients_bytes'])}, optimizer state {state_text}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n / 1e3:.3g}k" if n >= 1e3 else str(n)
+
+
+def _size(size: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"

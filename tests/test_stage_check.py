@@ -1,0 +1,164 @@
+"""`stage=check`: every check, the model and task on the meta device over the first batch's shapes, what the run
+would hold per process; nothing launched, trained or written. `-m stage=check` over experiments, `runner.testing`."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import runner
+from conftest import REPO, clean_environ, run_main
+from runner.config import ConfigError
+from runner.testing import check_config, config_cases
+from setup_counting_data import read_calls
+
+TESTS = Path(__file__).resolve().parent
+DDP8 = ("stage=check", "strategy=ddp", "accelerator=cpu", "trainer.devices=8")
+
+
+def test_check_reports_parameters_flops_and_memory_per_process(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main([*DDP8, "data.num_features=32", "model.hidden=128", "model.depth=2", "data.num_classes=4"],
+                         monkeypatch, capsys)
+    assert code == 0, out
+    # 32*128+128 + 128*128+128 + 128*4+4 = 21252 parameters, 4 bytes each, AdamW: 2 states each.
+    assert "check: ok — model 21.3k parameters (21.3k trainable)" in out
+    assert "GFLOP per sample; per process (ddp, 8 processes, 32-true): weights 83 KiB, gradients 83 KiB, " \
+           "optimizer state 166 KiB" in out
+    assert list(tmp_path.iterdir()) == []  # no run folder, no outputs/
+
+
+def test_a_shape_mismatch_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["stage=check", "model.in_features=31", "data.num_features=32"], monkeypatch, capsys)
+    assert code == 1
+    assert "model (runner.models.MLP) does not take the batches of data" in out and "Traceback" not in out
+    assert "model.in_features=31" in out and "data.num_features=32" in out
+
+
+def test_every_problem_is_listed_and_nothing_runs(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["stage=check", "model._target_=runner.models.NoSuchNet", "trainer.max_steps=0"],
+                         monkeypatch, capsys)
+    assert code == 1
+    assert "model._target_=runner.models.NoSuchNet cannot be imported" in out
+    assert "trainer.max_steps=0 must be a positive integer" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_checkpoint_is_checked_when_set(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["stage=check", f"trainer.ckpt_path={tmp_path / 'missing.ckpt'}"], monkeypatch, capsys)
+    assert code == 1 and "missing.ckpt" in out, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has the GPUs: nothing is skipped")
+def test_cuda_devices_this_machine_lacks_skip_the_device_check_only(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["stage=check", "accelerator=cuda", "strategy=ddp", "trainer.devices=8",
+                          "precision=bf16-mixed"], monkeypatch, capsys)
+    assert code == 0, out
+    assert "this machine has 0 CUDA device(s), so the device check was skipped" in out
+    assert "per process (ddp, 8 processes, bf16-mixed)" in out
+    # The rest is still checked: strategy=single cannot take 8 devices.
+    code, out = run_main(["stage=check", "accelerator=cuda", "strategy=single", "trainer.devices=8"],
+                         monkeypatch, capsys)
+    assert code == 1 and "needs strategy=ddp or strategy=dp" in out
+
+
+def test_fsdp_shards_and_sgd_keeps_one_state() -> None:
+    fsdp = check_config(["strategy=fsdp", "accelerator=cpu", "trainer.devices=2", "optimizer=sgd",
+                         "optimizer.momentum=0.9", "precision=bf16-true"])
+    n = fsdp["parameters"]
+    assert (fsdp["strategy"], fsdp["world_size"]) == ("fsdp", 2)
+    assert fsdp["weights_bytes"] == n * 2 / 2 and fsdp["optimizer_state_bytes"] == n * 2 / 2
+    ddp = check_config(["strategy=ddp", "accelerator=cpu", "trainer.devices=2", "optimizer=adamw"])
+    assert ddp["weights_bytes"] == n * 4 and ddp["optimizer_state_bytes"] == 2 * n * 4
+
+
+def test_a_sweep_preset_is_checked_as_one_config(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["stage=check", "experiment=lr_sweep"], monkeypatch, capsys)
+    assert code == 0, out
+    assert out.count("check: ok") == 1 and "Launching" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_data_module_is_set_up_only_by_check_data(tmp_path: Path) -> None:
+    conf = tmp_path / "conf" / "data"
+    conf.mkdir(parents=True)
+    (tmp_path / "calls").mkdir()
+    (conf / "counting.yaml").write_text(f"_target_: setup_counting_data.CountingModule\nfolder: {tmp_path / 'calls'}\n"
+                                        "batch_size: 16\nnum_features: 8\nnum_samples: 64\n")
+    overrides = ["data=counting", "model.in_features=8", "model.num_classes=2"]
+    found = check_config(overrides, config_dir=tmp_path / "conf")
+    assert found["gflop_per_sample"] is None and "stage=check_data" in found["report"]
+    assert {call[0] for call in read_calls(tmp_path / "calls")} <= {"init"}
+    found = check_config(overrides, config_dir=tmp_path / "conf", stage="check_data")
+    assert {"prepare_data", "setup"} <= {call[0] for call in read_calls(tmp_path / "calls")}
+    assert found["gflop_per_sample"] > 0
+    with pytest.raises(ConfigError, match="model.in_features=7"):
+        check_config([*overrides, "model.in_features=7"], config_dir=tmp_path / "conf", stage="check_data")
+
+
+def test_a_check_sweep_summarises_which_configs_passed(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(["-m", "stage=check", "experiment=regression,lr_sweep", "model.hidden=16,-1",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], monkeypatch, capsys)
+    assert code == 1  # one config or more failed
+    with open(tmp_path / "sweep" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4  # lr_sweep is one config of the sweep, not three jobs
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["overrides"] for r in ok} == {"stage=check experiment=regression model.hidden=16",
+                                            "stage=check experiment=lr_sweep model.hidden=16"}
+    assert all(int(r["parameters"]) > 0 for r in ok)
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(failed) == 2 and all("model.hidden=-1" in r["overrides"] and r["error"] for r in failed)
+    assert "\n" not in failed[0]["error"]
+    assert (tmp_path / "sweep" / "summary.md").read_text().startswith("Checked 4 config(s): 2 passed, 2 failed")
+
+
+def test_testing_helpers_check_every_experiment_and_option(tmp_path: Path) -> None:
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nmodel:\n  hidden: 8\n")
+    (tmp_path / "model" / "wide.yaml").write_text("_target_: runner.models.MLP\nin_features: ${data.num_features}\n"
+                                                   "hidden: 64\ndepth: 1\nnum_classes: ${data.num_classes}\n")
+    (tmp_path / "model" / "wrong.yaml").write_text("_target_: runner.models.MLP\nin_features: 3\nhidden: 8\n"
+                                                    "depth: 1\nnum_classes: ${data.num_classes}\n")
+    cases = config_cases(tmp_path)
+    assert [c.id for c in cases] == ["experiment=mine", "model=wide", "model=wrong"]
+    assert check_config(cases[0].values[0], config_dir=tmp_path)["parameters"] > 0
+    assert check_config(cases[1].values[0], config_dir=tmp_path)["trainable"] > 0
+    with pytest.raises(ConfigError, match="model.in_features=3"):
+        check_config(cases[2].values[0], config_dir=tmp_path)
+    assert "experiment=lr_sweep" in [c.id for c in config_cases()]  # the runner's own experiments by default
+
+
+def test_stage_check_is_listed_where_stages_are(tmp_path, monkeypatch, capsys) -> None:
+    code, out = run_main(["stage=train"], monkeypatch, capsys)
+    assert code == 1 and "check" in out
+    code, out = run_main(["--help"], monkeypatch, capsys)
+    assert "stage=check" in out
+
+
+def test_the_command_line_checks_without_writing(tmp_path: Path) -> None:
+    env = clean_environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)])
+    done = subprocess.run([sys.executable, "-m", "runner", "stage=check", "experiment=shapes"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "check: ok" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runner_fit_checks_from_python() -> None:
+    found = runner.fit(runner.compose(["stage=check"]))
+    assert found["report"].startswith("check: ok") and found["parameters"] > 0
