@@ -23,16 +23,28 @@ def stop_message(signum: int, run_dir: Path) -> str:
     """What a stopped job tells its user: the signal, the step it saved, and how to continue (if it can)."""
     name = signal.Signals(signum).name if signum else "a signal"
     last = run_dir / "checkpoints" / "last.ckpt"
+    metrics = _metrics(run_dir)
+    stage = metrics.get("stopped_in", "") if metrics.get("stop_signal") else ""
+    if stage.startswith("stage="):  # validate, test or predict: nothing to resume, nothing written
+        return f"stopped by {name} during {stage} before its end: it wrote no metrics; run it again"
     if not last.exists():
         return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
     # A stopped run's metrics.json is written after its last.ckpt, at the same step: no checkpoint to read.
+    if not metrics.get("stop_signal"):
+        return f"stopped by {name}; resume with trainer.ckpt_path={last}"
+    if metrics.get("stopped_in") == "test after training":  # the training is whole and saved; its test is not
+        tested = last if metrics.get("tested") == "last" else metrics.get("tested")
+        return (f"stopped by {name} during the test after training (training ended at step {metrics['step']}, "
+                f"saved in {last}); no test metrics: test with stage=test trainer.ckpt_path={tested}")
+    return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
+
+
+def _metrics(run_dir: Path) -> dict:
     try:
         metrics = json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
-        metrics = {}
-    if not metrics.get("stop_signal"):
-        return f"stopped by {name}; resume with trainer.ckpt_path={last}"
-    return f"stopped by {name} at step {metrics['step']}, saved in {last}; resume with trainer.ckpt_path={last}"
+        return {}
+    return metrics if isinstance(metrics, dict) else {}
 
 
 class WorkerFailed(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import signal
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,6 +83,9 @@ def fit(loop: Any, data: Any) -> dict:
     checkpoint (else the last weights)."""
     result = loop.run()
     if result.get("stop_signal"):  # stopped to resume later; a callback's stop (early stopping) is an end
+        if loop.strategy.is_global_zero and _may_test(data):
+            log.warning("the test after training is skipped: training was stopped by %s (a resumed run that "
+                        "ends tests)", signal.Signals(result["stop_signal"]).name)
         return result
     test = val_loader(ready(data, "test"), loop.strategy.distributed_sampler_kwargs, loop.cfg.seed, "test")
     if test is None:
@@ -94,8 +98,16 @@ def fit(loop: Any, data: Any) -> dict:
         loop.load_weights(loop.strategy.load_checkpoint(best))
     log.info("testing %s", best or "the last weights")
     result.update(loop.evaluate("test", test, _dev_batches(loop)), tested=best or "last")
+    if result.get("stop_signal"):  # the training is whole; the test alone was cut short
+        result["stopped_in"] = "test after training"
     loop.write_result(result)
     return result
+
+
+def _may_test(data: Any) -> bool:
+    """Whether the data has, or may make in its setup("test"), a test set (not called here: it may be heavy)."""
+    source = getattr(data, "source", data)
+    return any(getattr(source, name, None) is not None for name in ("test_dataset", "test_dataloader", "setup"))
 
 
 def evaluate(split: str) -> Callable[[Any, Any], dict]:
@@ -103,6 +115,8 @@ def evaluate(split: str) -> Callable[[Any, Any], dict]:
         loader = _loader(loop, data, split, "validate" if split == "val" else split)
         metrics = loop.evaluate(split, loader, _dev_batches(loop))
         result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
+        if metrics.get("stop_signal"):
+            result["stopped_in"] = f"stage={'validate' if split == 'val' else split}"
         loop.write_result(result)
         return result
     return run

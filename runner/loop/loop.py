@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,7 +24,7 @@ from runner.loop import results, state
 from runner.loop.progress import announce, fmt, loader_length, make_console, too_few_batches
 from runner.loop.schedule import Progress, make_schedule
 from runner.loop.step import TrainStep
-from runner.loop.stop import StopVote
+from runner.loop.stop import BatchVote, StopVote
 from runner.loop.train_log import TrainLog
 from runner.metrics import MetricSet
 
@@ -146,7 +147,9 @@ class Loop:
         start = time.perf_counter()
         metrics = self.evaluate("val", self.val, self.schedule.val_batches)
         self.last_val_step = self.progress.step
-        if metrics:
+        signalled = metrics.pop("stop_signal", 0)  # stopped partway: nothing for callbacks to rank or stop on
+        self._signalled = self._signalled or signalled
+        if metrics and not signalled:
             self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
         self.train_log.tick += time.perf_counter() - start  # validation time is not training throughput
 
@@ -161,20 +164,28 @@ class Loop:
         if validating:
             self.callbacks.call("on_validation_start", self)
         batch_end = self.callbacks.methods("on_validation_batch_end") if validating else ()
+        vote = BatchVote(self.strategy, self.stop_vote.requested, min(limit, loader_length(loader)))
+        signalled, done = 0, 0
         with torch.no_grad():
             for index, batch in enumerate(self.console.batches(loader, limit, prefix)):
-                if index >= limit:
+                signalled = index < limit and vote(index)  # every process stops at the same batch
+                if index >= limit or signalled:
                     break
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
                 sums += out["stats"].sum(dim=0)
                 self.metrics.update("val", out)
                 for hook in batch_end:
                     hook(self, out, index)
+                done += 1
         self.task.train()
         if validating:
             self.callbacks.call("on_validation_epoch_end", self)
         totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
         extra = self.metrics.compute("val", prefix)  # every process, even one without a sample
+        signalled = signalled or vote.final()
+        if signalled:  # a partial pass's numbers are no metrics: the stage reports the stop instead
+            log.warning("%s stopped by %s after %d of its batches", prefix, signal.Signals(signalled).name, done)
+            return {"stop_signal": signalled}
         if not totals["samples"]:
             return {}
         metrics = {**{f"{prefix}/{name}": value for name, value in task.compute(totals).items()}, **extra}

@@ -29,3 +29,45 @@ class StopVote:
     def drain(self) -> int:
         pending, self._pending = self._pending, None
         return pending() if pending is not None else 0
+
+
+class BatchVote:
+    """An evaluation's stop (validation, test, predict): the processes agree at a batch every one of them reaches.
+
+    Their shares can differ by a batch (every sample once, no padding), so the votes run over the batches all of
+    them have, counted in one reduction at the start; a stream that does not say its length gets no vote before
+    its end. As StopVote, each vote is read at the next batch; `final` agrees once more after the last batch.
+    """
+
+    def __init__(self, strategy: Any, requested: Callable[[], int], batches: float) -> None:
+        import math
+
+        import torch
+
+        self.strategy, self.requested, self._pending = strategy, requested, None
+        if strategy.world_size == 1:
+            self.common = math.inf
+        else:
+            mine = torch.tensor(-1 if batches == math.inf else int(batches), dtype=torch.int64)
+            self.common = max(0, int(strategy.all_reduce(mine, reduce_op="min")))  # -1: some process cannot say
+
+    def __call__(self, index: int) -> int:
+        """Before batch `index`: the signal some process got, once all of them know (0: go on)."""
+        if self.strategy.world_size == 1:
+            return int(self.requested())
+        if index >= self.common:
+            return 0
+        agreed = self._drain()
+        if not agreed:
+            self._pending = self.strategy.start_any_signal(int(self.requested()))
+        return agreed
+
+    def final(self) -> int:
+        """After the last batch: whether a signal came to any process before all of them got here."""
+        if self.strategy.world_size == 1:
+            return int(self.requested())
+        return self._drain() or self.strategy.start_any_signal(int(self.requested()))()
+
+    def _drain(self) -> int:
+        pending, self._pending = self._pending, None
+        return pending() if pending is not None else 0

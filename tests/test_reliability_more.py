@@ -1,0 +1,45 @@
+"""Faults around the edges of training: a signal during an evaluation, user hooks that exit or hang, a log file
+planted as a link, a stall before the first step, a restarted job. Real signals, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from test_reliability import DDP2, TINY, processes_mentioning, start, wait_for
+
+# 1 s per evaluation batch; 512 test samples in batches of 16: a 16 s test on each of 2 processes.
+SLOW_TEST = ("model._target_=faulty_more.SlowEval", "+model.delay=1.0", "data.val_samples=16",
+             "data.test_samples=512", "trainer.max_steps=4")
+
+
+def _testing(run_dir: Path) -> bool:
+    log = run_dir / "runner.log"
+    return log.exists() and "testing " in log.read_text()
+
+
+@pytest.mark.parametrize("target", ["parent", "worker"])
+def test_sigterm_during_the_test_after_training_stops_it_at_the_next_batch(tmp_path: Path, target: str) -> None:
+    run_dir = tmp_path / "run"
+    job = start(run_dir, *DDP2, *TINY, *SLOW_TEST, cwd=tmp_path)
+    assert wait_for(lambda: _testing(run_dir), 90), job.communicate(timeout=5)
+    time.sleep(1.5)
+    victim = job.pid if target == "parent" else max(p for p in processes_mentioning(str(run_dir)) if p != job.pid)
+    started = time.monotonic()
+    os.kill(victim, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert time.monotonic() - started < 8, stderr  # a batch or two, not the rest of a 16 s test
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert (f"stopped by SIGTERM during the test after training (training ended at step 4, saved in {last}); no "
+            f"test metrics: test with stage=test trainer.ckpt_path={last}") in stderr, stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["stop_signal"] == signal.SIGTERM and not any(key.startswith("test/") for key in metrics)
+    assert "Traceback" not in stderr
+    assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
+
