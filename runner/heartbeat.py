@@ -254,7 +254,8 @@ def keep_in_logs(stacks: dict[int, str], run_dir: Path) -> list[str]:
     for rank, stack in sorted(stacks.items()):
         path = log_path(run_dir, rank)
         if path.exists():  # a job whose logging writes no runner.log or rank_<k>.log gets none made for this
-            with contextlib.suppress(OSError), open(path, "a") as log:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC  # never through a planted link
+            with contextlib.suppress(OSError), open(os.open(path, flags), "a") as log:
                 log.write(f"Python stacks of rank {rank}, dumped when the job was found stalled:\n{stack}\n")
                 kept.append(path.name)
     return kept

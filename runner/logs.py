@@ -7,9 +7,11 @@ applies it in the job's process, except that a rank k > 0 writes rank_<k>.log in
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import logging.config
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,3 +58,26 @@ def apply_job_logging(run_dir: Path, rank: int) -> bool:
     runner_log.handlers, runner_log.propagate = [], True
     logging.config.dictConfig(config)
     return True
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """A log file opened without following a symbolic link planted at its path (O_NOFOLLOW): such a link is
+    refused in one line, never written through to the file it points to."""
+
+    def _open(self):  # noqa: ANN202 - logging.FileHandler's hook
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if "w" in self.mode else
+                                                                         os.O_APPEND)
+        try:
+            fd = os.open(self.baseFilename, flags, 0o644)
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+            from runner.config import ConfigError
+
+            raise ConfigError([linked_log_message(Path(self.baseFilename))]) from None
+        return open(fd, "w" if "w" in self.mode else "a", encoding=self.encoding, errors=self.errors)
+
+
+def linked_log_message(path: Path) -> str:
+    return (f"{path} is a symbolic link (to {os.readlink(path)}); the runner never writes a log through a link: "
+            "remove it, or choose another hydra.run.dir")

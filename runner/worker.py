@@ -31,7 +31,7 @@ from runner import stages
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.lightning import TrainerView
-from runner.logs import apply_job_logging
+from runner.logs import NoFollowFileHandler, apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
@@ -89,7 +89,7 @@ def configure_logging(run_dir: Path, rank: int) -> None:
     if apply_job_logging(run_dir, rank):  # the job chose a hydra/job_logging of its own
         return
     name = "runner.log" if rank == 0 else f"rank_{rank}.log"
-    file_handler = logging.FileHandler(run_dir / name)
+    file_handler = NoFollowFileHandler(run_dir / name)  # a link planted at its path is refused, not followed
     file_handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s"))

@@ -43,3 +43,17 @@ def test_sigterm_during_the_test_after_training_stops_it_at_the_next_batch(tmp_p
     assert "Traceback" not in stderr
     assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
 
+
+def test_a_link_planted_as_a_rank_log_is_refused_not_written_through(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    (run_dir / "rank_1.log").symlink_to(target)
+    job = start(run_dir, *DDP2, *TINY, "trainer.max_steps=2", cwd=tmp_path)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 1, stderr
+    assert (f"{run_dir / 'rank_1.log'} is a symbolic link (to {target}); the runner never writes a log through a "
+            "link: remove it, or choose another hydra.run.dir") in stderr, stderr
+    assert target.read_text() == "precious\n"
+    assert "Traceback" not in stderr
