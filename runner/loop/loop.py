@@ -97,8 +97,8 @@ class Loop:
             if p.batch >= s.batches_per_epoch:
                 p.epoch, p.batch = p.epoch + 1, 0
                 if s.val_each_epoch and not stopped:  # a stream of unknown length: its epoch ends when it does
-                    self._validate()
-                    stopped = self._stop_reason is not None
+                    self._validate()  # a signal or a callback may end the run here
+                    stopped = bool(self._signalled) or self._stop_reason is not None
         return self._finish()
 
     def _after_step(self) -> bool:
