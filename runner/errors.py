@@ -7,8 +7,10 @@ message; anything else keeps its traceback, as a bug to report.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 from pathlib import Path
+from typing import Any, Callable
 
 
 class JobStopped(RuntimeError):
@@ -47,6 +49,44 @@ def _metrics(run_dir: Path) -> dict:
     return metrics if isinstance(metrics, dict) else {}
 
 
+class NonFiniteLossError(RuntimeError):
+    """The loss or the weights became NaN or infinite (trainer.skip_nonfinite_loss skips such steps instead)."""
+
+
+class HookFailed(RuntimeError):
+    """A user's hook (a data module's prepare_data or setup) raised or exited: the message names the hook and what
+    it did; the traceback goes to the run's log files, not the console."""
+
+    def __init__(self, hook: str, error: BaseException, where: str = "") -> None:
+        lines = str(error).strip().splitlines()
+        what = (f"exited ({error!r})" if isinstance(error, SystemExit)
+                else f"raised {type(error).__name__}: {lines[0] if lines else ''}")
+        super().__init__(f"{hook} {what}{f' {where}' if where else ''}")
+        self.__cause__ = error
+        _to_log_files(self)
+
+
+def call_hook(hook: str, call: Callable[[], Any], where: str = "") -> Any:
+    """`call()`, where a raise or an exit (a library helper's sys.exit) is a HookFailed naming `hook`."""
+    try:
+        return call()
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - any failure of user code is that hook's
+        raise HookFailed(hook, error, where) from error
+
+
+def _to_log_files(error: BaseException) -> None:
+    """`error` with its cause's traceback in the runner's log files (the console gets the one line)."""
+    log, cause = logging.getLogger("runner"), error.__cause__ or error
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,),
+                            (type(cause), cause, cause.__traceback__))
+    logger: Any = log
+    while logger is not None:  # the runner's own files, or Hydra's runner.log where the runner's logger propagates
+        for handler in logger.handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+        logger = logger.parent if logger.propagate else None
+
+
 class WorkerFailed(RuntimeError):
     """A worker of the job raised or died; the message names the rank and carries its traceback."""
 
@@ -62,10 +102,9 @@ def is_user_error(error: BaseException) -> bool:
     from runner.callbacks import CallbackError
     from runner.checkpoint_io import CheckpointError
     from runner.config import ConfigError
-    from runner.loop import NonFiniteLossError
     from runner.run_lock import RunFolderBusy
     from runner.tasks import BatchError
 
-    known = (ConfigError, WorkerFailed, CheckpointError, NonFiniteLossError, JobStopped, InstantiationException,
-             BatchError, CallbackError, RunFolderBusy)
+    known = (ConfigError, WorkerFailed, HookFailed, CheckpointError, NonFiniteLossError, JobStopped,
+             InstantiationException, BatchError, CallbackError, RunFolderBusy)
     return isinstance(error, known)

@@ -57,3 +57,20 @@ def test_a_link_planted_as_a_rank_log_is_refused_not_written_through(tmp_path: P
             "link: remove it, or choose another hydra.run.dir") in stderr, stderr
     assert target.read_text() == "precious\n"
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("hook", "what", "processes", "line"), [
+    ("prepare_data", "exit", DDP2, "data.prepare_data() exited (SystemExit(0)) on local rank 0 of a node"),
+    ("setup", "raise", (), "data.setup('fit') raised ValueError: injected failure in setup"),
+], ids=["prepare_data-exits-ddp", "setup-raises"])
+def test_a_data_hook_that_exits_or_raises_fails_the_run_in_one_line(tmp_path: Path, hook: str, what: str,
+                                                                     processes: tuple, line: str) -> None:
+    """A library helper's sys.exit(0) in prepare_data ended the run with exit 0, nothing trained; a raise printed
+    the hook's traceback on the console (twice under DDP)."""
+    run_dir = tmp_path / "run"
+    job = start(run_dir, *processes, *TINY, "data._target_=faulty_more.Hooks", f"+data.hook={hook}",
+                f"+data.what={what}", cwd=tmp_path)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 1 and line in stderr, stderr
+    assert "Traceback" not in stderr and not (run_dir / "metrics.json").exists()
+    assert "Traceback" in (run_dir / "runner.log").read_text()  # the hook's own, for its author

@@ -41,7 +41,9 @@ def ready(data: Any, stage: str) -> Any:
     (`train_dataloader()`, ...) instead of data sets, a LoaderData of them."""
     source = data.source if isinstance(data, LoaderData) else data
     if callable(getattr(source, "setup", None)):
-        source.setup(stage)
+        from runner.errors import call_hook
+
+        call_hook(f"data.setup({stage!r})", lambda: source.setup(stage))
     splits = STAGE_SPLITS[stage]
     gives_loaders = any(getattr(source, f"{split}_dataset", None) is None and _loader_method(source, split)
                         for split in splits)
@@ -59,20 +61,20 @@ def _loader_method(source: Any, split: str) -> Optional[Callable[[], Any]]:
 def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: bool) -> None:
     """Call `prepare_data` in one process per node (or of the job, `per_node` False) while the others wait; a
     failure there ends every process (the others with a line that points to it)."""
+    from runner.errors import HookFailed, WorkerFailed, call_hook
+
     chosen = strategy is None or (strategy.local_rank if per_node else strategy.global_rank) == 0
+    where = "local rank 0 of a node" if per_node else "global rank 0"
     error: Optional[BaseException] = None
     if chosen:
         try:
-            prepare_data()
-        except Exception as raised:  # noqa: BLE001 - re-raised below, after the others know
+            call_hook("data.prepare_data()", prepare_data, f"on {where}")
+        except HookFailed as raised:  # re-raised below, after the others know
             error = raised
     failed = strategy.reduce_boolean_decision(error is not None, all=False) if strategy is not None else False
     if error is not None:
         raise error
     if failed:  # a consequence, said without a traceback: the launcher reports the cause
-        from runner.errors import WorkerFailed
-
-        where = "local rank 0 of a node" if per_node else "global rank 0"
         raise WorkerFailed(strategy.global_rank, f"data.prepare_data() failed on {where}; that process's log has "
                                                  "the error")
 

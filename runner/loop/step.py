@@ -12,11 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from runner.errors import NonFiniteLossError  # noqa: F401 - defined there: is_user_error knows it without the loop
 from runner.tasks.base import StepWeights
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 class NonFiniteGuard:
