@@ -271,7 +271,10 @@ def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: 
         return worker.run(resolved, run_dir, ckpt_path, own_logging=own_logging, strategy=strategy)
     run_lock.acquire(run_dir)  # before this run writes anything in the folder; kept until the job ends
     try:
-        if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists():  # said once the run will start
+        restarted = any(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                                         "SLURM_RESTART_COUNT"))
+        if ckpt_path is None and (run_dir / "checkpoints" / "last.ckpt").exists() and not restarted:
+            # said once the run will start; a restarted or requeued job resumes from it (runner.worker says so)
             log.warning("%s already holds a run; this one starts from scratch and replaces its checkpoints "
                         "(trainer.ckpt_path=last continues it instead)", run_dir)
         save_job_logging(run_dir, job_logging)

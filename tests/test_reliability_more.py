@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from test_reliability import DDP2, TINY, processes_mentioning, start, wait_for
+from test_reliability import DDP2, TINY, env, processes_mentioning, start, wait_for
 
 # 1 s per evaluation batch; 512 test samples in batches of 16: a 16 s test on each of 2 processes.
 SLOW_TEST = ("model._target_=faulty_more.SlowEval", "+model.delay=1.0", "data.val_samples=16",
@@ -74,3 +76,18 @@ def test_a_data_hook_that_exits_or_raises_fails_the_run_in_one_line(tmp_path: Pa
     assert job.returncode == 1 and line in stderr, stderr
     assert "Traceback" not in stderr and not (run_dir / "metrics.json").exists()
     assert "Traceback" in (run_dir / "runner.log").read_text()  # the hook's own, for its author
+
+
+def test_a_restarted_job_says_it_resumes_not_that_it_starts_from_scratch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = start(run_dir, *TINY, "trainer.max_steps=2", cwd=tmp_path)
+    assert first.wait(timeout=120) == 0
+    again = subprocess.run([sys.executable, "-m", "runner", *TINY, "trainer.max_steps=4", f"hydra.run.dir={run_dir}"],
+                           cwd=tmp_path, env={**env(), "TORCHELASTIC_RESTART_COUNT": "1"}, capture_output=True,
+                           text=True, timeout=120)
+    said = again.stdout + again.stderr
+    assert again.returncode == 0, said
+    assert "starts from scratch" not in said
+    assert "restart 1 of this job (torchelastic after a failure, or a SLURM requeue); resuming from the job's " \
+           "last.ckpt" in said
+    assert json.loads((run_dir / "metrics.json").read_text())["step"] == 4
