@@ -217,6 +217,12 @@ def first_batches_problem(cfg: DictConfig, data: Any) -> Optional[str]:
 
 
 def build_task(cfg: DictConfig) -> Any:
+    from runner.lightning import is_lightning_config
+
+    if is_lightning_config(cfg):  # a LightningModule's own steps are its task (the config's task is not used)
+        from runner.lightning.task import LightningTask
+
+        return LightningTask()
     return instantiate(cfg.task)
 
 
@@ -367,6 +373,12 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
     """The optimizer over `parameters` (a model, or its parameters, already on their device); AdamW, Adam and SGD
     run fused on CUDA. With `optimizer._no_decay_` (a model given) the parameters come in two groups: those it
     names get weight_decay 0.0, the others the configured weight_decay."""
+    from runner.lightning.detect import is_lightning_module
+
+    if is_lightning_module(parameters):  # its configure_optimizers() (the config's optimizer is not used)
+        from runner.lightning.optimizers import configure
+
+        return configure(parameters)
     node = cfg.optimizer
     parameters = decay_groups(parameters, list(node.get(NO_DECAY) or ())) if isinstance(
         parameters, torch.nn.Module) else list(parameters)
@@ -466,6 +478,11 @@ def probe_optimizer(node: DictConfig, parameters: list) -> Any:
 
 def build_scheduler(cfg: DictConfig, optimizer: Any, total_steps: Optional[int] = None) -> Any:
     """The scheduler for `optimizer`; one that takes `total_steps` and leaves it unset gets the run's count."""
+    from runner.lightning.optimizers import schedules_for
+
+    configured = schedules_for(optimizer)  # an optimizer a LightningModule configured: its own schedulers
+    if configured is not None:
+        return configured
     try:
         return instantiate(cfg.scheduler)(optimizer, **_scheduler_extra(cfg, total_steps))
     except (TypeError, ValueError) as error:

@@ -30,7 +30,8 @@ from runner import build
 from runner import stages
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
-from runner.lightning import TrainerView
+from runner.lightning import TrainerView, is_lightning_config
+from runner.lightning.attach import attach as attach_lightning, setup_module
 from runner.logs import NoFollowFileHandler, apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.loggers.tracking import flatten
@@ -152,8 +153,11 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         log.info(stages.run_line(info))
     precision = strategy.precision
     view = TrainerView(cfg, strategy, run_dir)  # what Lightning code reads as `self.trainer` (a data module's too)
+    # Lightning's order for a LightningModule: its data module is set up before the module's setup(stage).
+    data = build.build_data(cfg, strategy, view) if is_lightning_config(cfg) else None
     with precision.module_init_context():
         model = build.build_model(cfg)
+    setup_module(model, view)  # a LightningModule: its trainer view, setup(stage), configure_model()
     task = TaskModule(precision.convert_module(model), build.build_task(cfg), precision)
     strategy.module_to_device(task)
     compile_arguments = build.compile_arguments(cfg)
@@ -161,14 +165,15 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         # In place: the module keeps its state_dict keys, so checkpoints load with or without compile.
         task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
-    optimizer = build.build_optimizer(cfg, model)
-    data = build.build_data(cfg, strategy, view)
+    data = build.build_data(cfg, strategy, view) if data is None else data
     sampler_kwargs = strategy.distributed_sampler_kwargs
     dev_run = bool(cfg.trainer.fast_dev_run)
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
     train, val = _loaders(data, sampler_kwargs, cfg.trainer.seed, cfg.get("stage", "fit"))
     # Schedulers decay over the steps the run takes, counted after processes, accumulation and epochs.
     total_steps = make_schedule(cfg.trainer, train.batches, loader_length(val) if val is not None else 0).total_steps
+    view.plan(total_steps)  # trainer.estimated_stepping_batches, which configure_optimizers() may read
+    optimizer = build.build_optimizer(cfg, model)
     hparams = {**flatten(OmegaConf.to_container(cfg, resolve=True)), **flatten(info, "run/")}
     callbacks = build.build_callbacks(cfg)
     if dev_run:
@@ -176,7 +181,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks,
                 run_info=info)
-    view.attach_loop(loop)
+    attach_lightning(loop, view)  # the view follows the loop; Lightning's hooks and self.log, where there are any
     heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path

@@ -135,7 +135,7 @@ class LitClassifier(pl.LightningModule):
 
 class LitPlain(pl.LightningModule):
     """The shortest LightningModule: a loss tensor from training_step, `self.log` of tensors and numbers, an SGD
-    optimizer returned as such. `skip_every` > 0: training_step returns None for batches whose index it divides."""
+    optimizer returned as such. `skip_every` > 0: training_step returns None for every `skip_every`-th batch."""
 
     def __init__(self, in_features: int = 8, hidden: int = 16, depth: int = 2, num_classes: int = 4,
                  lr: float = 0.1, skip_every: int = 0) -> None:
@@ -144,12 +144,12 @@ class LitPlain(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
-        if self.skip_every and batch_idx % self.skip_every == 0:
-            return None
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("loss_seen", loss)
         self.log("world", float(self.trainer.world_size))
+        if self.skip_every and batch_idx % self.skip_every == self.skip_every - 1:
+            return None  # skipped after logging, as a guard against a bad batch does
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -160,6 +160,25 @@ class LitPlain(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class LitOneCycle(LitPlain):
+    """([optimizer], [{scheduler, interval: step}]) with OneCycleLR over self.trainer.estimated_stepping_batches;
+    sets self.trainer.should_stop in on_train_batch_end once global_step reaches `stop_at` (0: never)."""
+
+    def __init__(self, stop_at: int = 0, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.stop_at = stop_at
+
+    def configure_optimizers(self) -> tuple[list, list]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr,
+                                                        total_steps=self.trainer.estimated_stepping_batches)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.stop_at and self.global_step >= self.stop_at:
+            self.trainer.should_stop = True
 
 
 class StepsItself(LitPlain):

@@ -86,3 +86,156 @@ def test_nothing_outside_runner_lightning_imports_lightning() -> None:
             if any(n.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric") for n in names):
                 importers.append(str(path.relative_to(REPO)))
     assert importers == []
+
+
+# -- 2. a LightningModule runs as Lightning runs it ------------------------------------------------------------------
+LIT = ("model._target_=lightning_modules.LitClassifier", "+model.lr=0.2", "trainer.max_steps=64",
+       "trainer.log_every_n_steps=8")
+
+
+def _by_hand(weights: dict) -> tuple[float, float]:
+    """(val loss, val accuracy) of `weights` on TINY's synthetic validation set, computed here."""
+    from lightning_modules import LitClassifier
+    from runner.data import SyntheticClassification
+
+    model = LitClassifier(in_features=8, hidden=16, depth=2, num_classes=4)
+    model.load_state_dict(weights)
+    val = SyntheticClassification(num_samples=256, val_samples=64, num_features=8, num_classes=4, seed=0).val_dataset
+    with torch.no_grad():
+        logits = model(val.inputs)
+    loss = torch.nn.functional.cross_entropy(logits, val.targets).item()
+    return loss, (logits.argmax(dim=1) == val.targets).float().mean().item()
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_ddp")
+def test_a_lightning_module_trains_as_lightning_on_one_and_two_processes(tmp_path: Path) -> None:
+    """LitClassifier (MNISTLitModule's shape) with a Lightning callback: 1 process x 16 and 2 processes x 8 end with
+    the same weights; val/loss and val/acc (torchmetrics objects, synced at the epoch's end) equal the final weights'
+    loss and accuracy computed by hand; ReduceLROnPlateau stepped on val/loss at each epoch's end; the hooks ran in
+    Lightning's order with the view's step and epoch."""
+    results = {}
+    for name, overrides in (("one", ()), ("two", (*DDP2, "data.batch_size=8"))):
+        folder = tmp_path / f"record-{name}"
+        folder.mkdir()
+        cfg = _cfg(tmp_path, *LIT, *overrides, f"+model.record={folder}",
+                   "+callbacks.rec._target_=lightning_modules.RecordingCallback", f"+callbacks.rec.folder={folder}")
+        results[name] = runner.fit(cfg, run_dir=tmp_path / name)
+    one, two = results["one"], results["two"]
+    _same_weights(tmp_path / "one", tmp_path / "two", atol=1e-5)
+    final = load_checkpoint(tmp_path / "one")
+    loss, accuracy = _by_hand(final["model"])
+    for metrics in (one, two):
+        assert metrics["step"] == 64 and metrics["epoch"] == 4
+        assert metrics["val/loss"] == pytest.approx(loss, abs=1e-5)
+        assert metrics["val/acc"] == pytest.approx(accuracy, abs=1e-6)
+        assert metrics["val/acc_best"] >= metrics["val/acc"]
+        assert {"train/loss", "train/acc", "lr"} <= set(metrics) and "val/val/loss" not in metrics
+    # The schedule: val/loss rose after epochs 2 and 3 (steps 48, 64), so the plateau halved the rate there (the
+    # last train log, at step 64 before its validation, shows 0.1), on both.
+    assert [one["lr"], two["lr"]] == [0.1, 0.1]
+    assert final["scheduler"]["epochs"] == 4 and final["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05)
+    hooks = _lines(tmp_path / "record-two" / "hooks")
+    rank0 = [line.rsplit(" ", 3)[0] + " " + " ".join(line.split()[2:]) for line in hooks if line.split()[1] == "0"]
+    assert rank0 == ["setup:fit 0 0", "on_train_start 0 0", *[f"{hook} {step} {epoch}" for epoch in range(4)
+                     for hook, step in (("on_train_epoch_start", 16 * epoch), ("on_train_epoch_end", 16 * epoch + 16))],
+                     "on_fit_end 64 4"]
+    assert sorted(line.split()[1] for line in hooks) == ["0"] * 11 + ["1"] * 11
+    # The Lightning callback: (trainer, pl_module) on every process, with the metrics the run logged.
+    calls = _lines(tmp_path / "record-two" / "callback")
+    assert sorted(c for c in calls if c.startswith("on_fit_start")) == ["on_fit_start 0/2 LitClassifier",
+                                                                         "on_fit_start 1/2 LitClassifier"]
+    assert f"on_validation_end 1 64 {two['val/loss']:.6f}" in calls
+    assert [c for c in calls if c.startswith("on_train_epoch_end 0")] == [f"on_train_epoch_end 0 {e}" for e in range(4)]
+    assert load_checkpoint(tmp_path / "two")["callbacks"]["lightning"]["callbacks"]["rec"]["state"] == {
+        "validations": 4}
+
+
+def test_a_lightning_module_resumes_exactly(tmp_path: Path) -> None:
+    """40 steps, or 24 then 16 more from last.ckpt (mid-epoch, the plateau's state and the epoch count carried): the
+    same weights, learning rate and scheduler state."""
+    runner.fit(_cfg(tmp_path, *LIT, "trainer.max_steps=40"), run_dir=tmp_path / "straight")
+    runner.fit(_cfg(tmp_path, *LIT, "trainer.max_steps=24"), run_dir=tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = runner.fit(_cfg(tmp_path, *LIT, "trainer.max_steps=40", f"trainer.ckpt_path={last}"),
+                         run_dir=tmp_path / "resumed")
+    assert resumed["step"] == 40
+    _same_weights(tmp_path / "straight", tmp_path / "resumed", atol=0)
+    straight, again = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    assert straight["scheduler"] == again["scheduler"]
+    assert straight["optimizer"]["param_groups"][0]["lr"] == again["optimizer"]["param_groups"][0]["lr"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_ddp")
+def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Path) -> None:
+    """A loss tensor, self.log of tensors and numbers (names without a prefix are the stage's), every third batch
+    skipped (None): 1 process x 16 and 2 x 8 take the same SGD steps (the skipped ones change nothing, and DDP's
+    processes stay in step); the step reads self.trainer.world_size."""
+    plain = ("model._target_=lightning_modules.LitPlain", "+model.skip_every=3", "trainer.max_steps=6")
+    one = runner.fit(_cfg(tmp_path, *plain), run_dir=tmp_path / "one")
+    two = runner.fit(_cfg(tmp_path, *plain, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
+    _same_weights(tmp_path / "one", tmp_path / "two")
+    assert (one["train/world"], two["train/world"]) == (1.0, 2.0)
+    # Step 6 skipped its batch: the window has no loss (the last one stays) but what was logged before the skip.
+    assert one["train/loss"] == pytest.approx(two["train/loss"], abs=1e-6)
+    assert one["train/loss_seen"] == pytest.approx(two["train/loss_seen"], abs=1e-6)
+    assert {"val/loss", "val/acc"} <= set(one) and "val/val/loss" not in one
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("model._target_=lightning_modules.StepsItself",),
+     r"model \(StepsItself\) overrides optimizer_step, which the runner does not call: the runner's step calls "),
+    (("model._target_=lightning_modules.ManualOptimization",),
+     r"model \(ManualOptimization\) sets automatic_optimization = False: Lightning's manual optimization"),
+    (("model._target_=lightning_modules.ManualOptimization",),
+     r"ManualOptimization.configure_optimizers\(\) returned 2 optimizers: the runner takes one"),
+    (("model._target_=lightning_modules.LitPlain", "+callbacks.s._target_=lightning_modules.SanityCallback"),
+     r"callbacks.s \(SanityCallback\) overrides on_sanity_check_start, which the runner does not call"),
+    (("+callbacks.r._target_=lightning_modules.RecordingCallback", "+callbacks.r.folder=.",
+      "+callbacks.s._target_=lightning_modules.SanityCallback"),
+     r"callbacks.s \(SanityCallback\) overrides on_sanity_check_start"),
+    (("model._target_=lightning_modules.LitPlain", "+callbacks.swa._target_=lightning.pytorch.callbacks"
+      ".StochasticWeightAveraging", "+callbacks.swa.swa_lrs=0.01"),
+     r"callbacks.swa: lightning.pytorch.callbacks.stochastic_weight_avg.StochasticWeightAveraging is Lightning's own "
+     r"StochasticWeightAveraging, which reaches into Lightning's Trainer; .* the runner's is callbacks=ema"),
+    (("model._target_=lightning_modules.LitPlain", "strategy=dp"),
+     r"strategy=dp: a LightningModule runs under strategy=ddp"),
+    (("model._target_=lightning_modules.LitPlain", "+metrics.acc._target_=runner.metrics.Accuracy"),
+     r"metrics=\['acc'\]: a LightningModule logs its own metrics"),
+], ids=["optimizer_step", "manual", "two-optimizers", "callback-hook", "plain-model-callback", "stock-callback", "dp",
+        "metrics-config"])
+def test_what_is_not_run_is_refused_before_launch_in_one_line(tmp_path: Path, overrides: tuple, line: str) -> None:
+    from runner.checks import validate
+    from runner.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        validate(_cfg(tmp_path, *overrides))
+    assert len([p for p in refused.value.problems if __import__("re").search(line, p)]) == 1, refused.value.problems
+
+
+def test_a_lightning_project_passes_the_checks(tmp_path: Path) -> None:
+    from runner.checks import validate
+
+    validate(_cfg(tmp_path, *LIT, "+callbacks.rec._target_=lightning_modules.RecordingCallback",
+                  f"+callbacks.rec.folder={tmp_path}"))
+
+
+def test_a_step_scheduler_over_estimated_stepping_batches_and_should_stop(tmp_path: Path) -> None:
+    """OneCycleLR over self.trainer.estimated_stepping_batches (10), stepped each optimizer step; should_stop set at
+    step 4 ends the run there: the rate is OneCycleLR's after 4 steps of 10."""
+    cycle = ("model._target_=lightning_modules.LitOneCycle", "+model.stop_at=4", "trainer.max_steps=10")
+    metrics = runner.fit(_cfg(tmp_path, *cycle), run_dir=tmp_path / "run")
+    assert metrics["step"] == 4 and metrics["stopped_early"] is True
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.1, total_steps=10)
+    for _ in range(4):
+        reference.step()
+        schedule.step()
+    saved = load_checkpoint(tmp_path / "run")
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+    assert saved["scheduler"]["steps"] == 4

@@ -184,3 +184,14 @@ def check_task(cfg: DictConfig) -> Iterator[str]:
         build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
         yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {one_line(error)}"
+    yield from check_lightning(cfg)
+
+
+def check_lightning(cfg: DictConfig) -> Iterator[str]:
+    """What of a LightningModule or a Lightning callback the runner does not run (runner.lightning.checks)."""
+    from runner.lightning.checks import config_problems
+
+    def meta_model() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            return build_model(cfg)
+    yield from config_problems(cfg, meta_model, strategy_class(cfg))

@@ -1,0 +1,65 @@
+"""Where the worker hands Lightning's objects their trainer view: the LightningModule before it is wrapped (its
+setup(stage) and configure_model()), then the loop's hooks for the module and the Lightning callbacks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from runner.config import ConfigError
+from runner.lightning.checks import module_problems
+from runner.lightning.detect import is_lightning_callback, is_lightning_module, overrides
+from runner.lightning.optimizers import LightningSchedules, configured_by
+from runner.lightning.trainer_view import TrainerView
+
+log = logging.getLogger("runner")
+HOOKS_NAME = "lightning"  # the runner callback's name, and its key in a checkpoint's callbacks
+
+
+def setup_module(model: Any, view: TrainerView) -> None:
+    """A LightningModule gets the view as `self.trainer`, then its setup(stage) and configure_model() run, before
+    the strategy moves and wraps it (Lightning's order). Other models are left as they are."""
+    if not is_lightning_module(model):
+        return
+    problems = module_problems(model, view._stage)  # also when no check ran before (torchrun, srun, runner.fit)
+    if problems:
+        raise ConfigError(problems)
+    if view.is_global_zero:
+        log.info(configured_by(model))
+    view.attach_module(model)
+    model.trainer = view  # Lightning's setter: the module's LightningModule children too
+    for hook, args in (("setup", (view._stage,)), ("configure_model", ())):
+        if overrides(model, hook):
+            getattr(model, hook)(*args)
+
+
+def attach(loop: Any, view: TrainerView) -> None:
+    """The view follows the loop; a LightningModule and the Lightning callbacks get their hooks (one runner callback
+    that calls them), the module's self.log, and the optimizer and schedulers its configure_optimizers() gave."""
+    from runner.lightning.hooks import LightningHooks
+    from runner.lightning.task import LightningTask
+
+    view.attach_loop(loop)
+    model = loop.strategy.unwrap(loop.wrapped).model
+    by_name = loop.callbacks.by_name
+    callbacks = {name: callback for name, callback in by_name.items() if is_lightning_callback(callback)}
+    lightning = is_lightning_module(model)
+    if lightning and not isinstance(loop.task.task, LightningTask):
+        raise ConfigError([f"model ({type(model).__name__}) is a LightningModule built by a function: name its class "
+                           "as model._target_, so that its steps are the task"])
+    if not (lightning or callbacks):
+        return
+    for name in callbacks:
+        del by_name[name]
+    hooks = LightningHooks(view, loop, model, callbacks)
+    by_name[HOOKS_NAME] = hooks
+    if lightning:
+        # The strategy moved the module inside the runner's wrapper, which Lightning's `to` never saw: where it is
+        # now (a no-op move) is what self.device says.
+        model.to(loop.strategy.root_device)
+        loop.task.task.hooks = hooks
+        model.log, model.log_dict = hooks.recorder.log, hooks.recorder.log_dict
+        model.optimizers = lambda use_pl_optimizer=True: loop.optimizer
+        configs = loop.scheduler.configs if isinstance(loop.scheduler, LightningSchedules) else []
+        view.attach_optimizer(loop.optimizer, configs)
+    hooks.setup_callbacks(view._stage)

@@ -1,0 +1,178 @@
+"""A LightningModule's `configure_optimizers()` in the runner's terms: one optimizer, and its schedulers stepped as
+Lightning steps them (every `frequency` optimizer steps or epochs, ReduceLROnPlateau with the metric it monitors).
+
+Lightning's return forms with one optimizer: the optimizer; [optimizer]; ([optimizer], [scheduler, ...]); a dict with
+`optimizer` and `lr_scheduler` (a scheduler, or a dict with `scheduler`, `interval`, `frequency`, `monitor`,
+`strict`, `name`), or a one-element list of such dicts. Several optimizers (Lightning's manual optimization) are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from runner.config import ConfigError
+from runner.lightning.detect import overrides
+
+log = logging.getLogger("runner")
+_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau")
+
+
+@dataclass
+class SchedulerConfig:
+    """Lightning's LRSchedulerConfig: what `self.trainer.lr_scheduler_configs` and `self.lr_schedulers()` give."""
+
+    scheduler: Any
+    name: Optional[str] = None
+    interval: str = "epoch"
+    frequency: int = 1
+    reduce_on_plateau: bool = False
+    monitor: Optional[str] = None
+    strict: bool = True
+
+
+# The scheduler configs of each optimizer a module configured, for build_scheduler (which gets the optimizer only).
+_CONFIGURED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[SchedulerConfig]]" = weakref.WeakKeyDictionary()
+
+
+def configure(module: Any) -> torch.optim.Optimizer:
+    """The optimizer `module.configure_optimizers()` returns; its schedulers are kept for `schedules_for`."""
+    what = f"{type(module).__name__}.configure_optimizers()"
+    returned = module.configure_optimizers()
+    optimizer, schedulers, monitor = _parse(returned, what)
+    configs = [_config(item, monitor, what) for item in schedulers]
+    for config in configs:
+        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+            raise ConfigError([f"{what}: a scheduler ({type(config.scheduler).__name__}) steps another optimizer than "
+                               "the one returned"])
+    _CONFIGURED[optimizer] = configs
+    return optimizer
+
+
+def _parse(returned: Any, what: str) -> tuple[torch.optim.Optimizer, list, Optional[str]]:
+    """(the optimizer, its schedulers as returned, the dict's `monitor`) of any of Lightning's one-optimizer forms."""
+    if isinstance(returned, torch.optim.Optimizer):
+        return returned, [], None
+    if isinstance(returned, Mapping):
+        if not isinstance(returned.get("optimizer"), torch.optim.Optimizer):
+            raise ConfigError([f"{what} returned a dict without an optimizer under 'optimizer'"])
+        found = returned.get("lr_scheduler")
+        return returned["optimizer"], [] if found is None else [found], returned.get("monitor")
+    if isinstance(returned, Sequence) and not isinstance(returned, str):
+        items = list(returned)
+        if len(items) == 2 and all(isinstance(i, Sequence) and not isinstance(i, str) for i in items):
+            optimizers, schedulers = list(items[0]), list(items[1])
+        else:
+            optimizers, schedulers = items, []
+        if len(optimizers) == 1 and isinstance(optimizers[0], Mapping):
+            optimizer, more, monitor = _parse(optimizers[0], what)
+            return optimizer, more + schedulers, monitor
+        if len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.Optimizer):
+            return optimizers[0], schedulers, None
+        if len(optimizers) > 1:
+            raise ConfigError([f"{what} returned {len(optimizers)} optimizers: the runner takes one (several are "
+                               "Lightning's manual optimization, which it does not run); use one optimizer with "
+                               "parameter groups"])
+    raise ConfigError([f"{what} returned {type(returned).__name__}; return an optimizer, [optimizer], ([optimizer], "
+                       "[scheduler]) or {'optimizer': ..., 'lr_scheduler': ...}"])
+
+
+def _config(item: Any, monitor: Optional[str], what: str) -> SchedulerConfig:
+    settings = dict(item) if isinstance(item, Mapping) else {"scheduler": item}
+    unknown = sorted(set(settings) - set(_KEYS))
+    if unknown or "scheduler" not in settings:
+        raise ConfigError([f"{what}: an lr_scheduler dict takes {', '.join(_KEYS)} (with 'scheduler'); it has "
+                           f"{', '.join(map(str, settings))}"])
+    if monitor is not None and settings.get("monitor") is None:
+        settings["monitor"] = monitor
+    settings.setdefault("reduce_on_plateau", isinstance(settings["scheduler"],
+                                                        torch.optim.lr_scheduler.ReduceLROnPlateau))
+    config = SchedulerConfig(**settings)
+    if config.interval not in ("step", "epoch"):
+        raise ConfigError([f"{what}: lr_scheduler interval={config.interval!r} is not allowed: use 'step' or 'epoch'"])
+    if not (isinstance(config.frequency, int) and config.frequency >= 1):
+        raise ConfigError([f"{what}: lr_scheduler frequency={config.frequency!r} must be a positive integer"])
+    if config.reduce_on_plateau and not config.monitor:
+        raise ConfigError([f"{what}: {type(config.scheduler).__name__} needs the metric it watches: return "
+                           "{'scheduler': ..., 'monitor': 'val/loss'}"])
+    return config
+
+
+def schedules_for(optimizer: Any) -> Optional["LightningSchedules"]:
+    """The loop's scheduler for an optimizer a LightningModule configured; None for any other optimizer."""
+    configs = _CONFIGURED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    return None if configs is None else LightningSchedules(optimizer, configs)
+
+
+class LightningSchedules:
+    """What the loop steps after each optimizer step: the module's schedulers with interval 'step', every
+    `frequency` steps; those with interval 'epoch' at each epoch's end (after the validation that closes it), every
+    `frequency` epochs. ReduceLROnPlateau gets the value of its `monitor` (the run's last reduced value, the same on
+    every process). The counters and each scheduler's state are in the checkpoint, so a resume continues exactly."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, configs: list[SchedulerConfig]) -> None:
+        self.optimizer, self.configs = optimizer, configs
+        self.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+        self.steps = self.epochs = 0
+        self.metrics: Callable[[], dict] = dict  # the run's reduced metrics (set when training starts)
+        self.module: Any = None  # a module with lr_scheduler_step of its own steps the schedulers itself
+
+    def step(self) -> None:
+        self.steps += 1
+        self._step("step", self.steps)
+
+    def epoch_end(self) -> None:
+        self.epochs += 1
+        self._step("epoch", self.epochs)
+
+    def _step(self, interval: str, count: int) -> None:
+        for config in self.configs:
+            if config.interval != interval or count % config.frequency:
+                continue
+            metric = self._monitored(config) if config.reduce_on_plateau else None
+            if config.reduce_on_plateau and metric is None:
+                continue
+            if self.module is not None and overrides(self.module, "lr_scheduler_step"):
+                self.module.lr_scheduler_step(config.scheduler, metric)
+            elif config.reduce_on_plateau:
+                config.scheduler.step(metric)
+            else:
+                config.scheduler.step()
+
+    def _monitored(self, config: SchedulerConfig) -> Optional[float]:
+        metrics = self.metrics()
+        if config.monitor in metrics:
+            return float(metrics[config.monitor])
+        logged = ", ".join(sorted(k for k in metrics if "/" in k)) or "none yet"
+        if config.strict:
+            raise ConfigError([f"lr_scheduler monitor={config.monitor!r} ({type(config.scheduler).__name__}) is not "
+                               f"logged; the metrics are: {logged} (set 'strict': False to skip such steps)"])
+        log.warning("lr_scheduler monitor=%r is not logged (the metrics are: %s): the scheduler is not stepped",
+                    config.monitor, logged)
+        return None
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [config.scheduler.state_dict() for config in self.configs],
+                "base_lrs": list(self.base_lrs), "steps": self.steps, "epochs": self.epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("schedulers", [])
+        if len(saved) != len(self.configs):
+            raise ConfigError([f"trainer.ckpt_path: the checkpoint holds {len(saved)} learning-rate scheduler(s), "
+                               f"configure_optimizers() returns {len(self.configs)}"])
+        for config, scheduler_state in zip(self.configs, saved):
+            config.scheduler.load_state_dict(scheduler_state)
+        self.base_lrs = list(state.get("base_lrs", self.base_lrs))
+        self.steps, self.epochs = int(state.get("steps", 0)), int(state.get("epochs", 0))
+
+
+def configured_by(module: Any) -> str:
+    """The one line a run with a LightningModule logs about the config groups it does not use."""
+    return (f"model ({type(module).__name__}) is a LightningModule: its training_step, validation_step, test_step and "
+            "configure_optimizers() are used; the config's task, optimizer and scheduler groups are not")
