@@ -134,14 +134,16 @@ class NoBatchSize:
         self.train_dataset = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,)))
 
 
-class _Stream(torch.utils.data.IterableDataset):
-    def __iter__(self):
-        return iter(())
+class _Counter:
+    """Neither a map-style dataset (no indexing) nor a stream (no iteration)."""
+
+    def __len__(self) -> int:
+        return 3
 
 
-class IterableTrain:
-    """A data object whose train_dataset is an IterableDataset (no len, no indexing)."""
+class UnreadableTrain:
+    """A data object whose train_dataset can be neither indexed nor iterated."""
 
     def __init__(self) -> None:
         self.batch_size = 8
-        self.train_dataset = _Stream()
+        self.train_dataset = _Counter()

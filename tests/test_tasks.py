@@ -503,8 +503,8 @@ def test_a_unit_given_as_a_plural_is_not_doubled() -> None:
 @pytest.mark.parametrize(("target", "message"), [
     ("lm_fixtures.NoBatchSize", r"data \(lm_fixtures\.NoBatchSize\) has batch_size=None: a data object needs a "
                                 r"positive integer batch_size"),
-    ("lm_fixtures.IterableTrain", r"data \(lm_fixtures\.IterableTrain\)\.train_dataset is _Stream, not a "
-                                  r"map-style dataset"),
+    ("lm_fixtures.UnreadableTrain", r"data \(lm_fixtures\.UnreadableTrain\)\.train_dataset is _Counter: neither "
+                                    r"a map-style dataset \(len\(\) and indexing\) nor a stream"),
 ])
 def test_a_data_object_missing_what_the_loop_reads_is_one_line(target: str, message: str) -> None:
     """Once an AttributeError or `object of type ... has no len()` traceback from inside the loader."""
