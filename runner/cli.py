@@ -11,11 +11,11 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import hydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
@@ -118,6 +118,59 @@ def _quote_numeric_choices(argv: list[str]) -> list[str]:
 
 def _report(error: BaseException) -> None:
     print(f"error: {error}", file=sys.stderr)
+
+
+# What a typed key takes, by the OmegaConf node that holds it (the schemas' int, float, bool and str fields).
+_TAKES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
+          "StringNode": "a string"}
+
+
+def wrong_type(override: Any, error: Any) -> str:
+    """`trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. trainer.max_steps=-1)`:
+    the key, the value as typed and the type, for OmegaConf's ValidationError on merging an override."""
+    key = error.full_key or override.key_or_group
+    typed = (override.input_line or "").partition("=")[2]
+    node = error.child_node
+    takes = _TAKES.get(type(node).__name__)
+    if takes is None:  # an enum, a list, a dict: OmegaConf's own first line says it
+        return f"{key}={typed}: {str(error.msg).splitlines()[0]}"
+    value = override.value()
+    if isinstance(value, float) and value.is_integer() and takes == "an integer":
+        example = int(value)  # 1e1 is a float to Hydra's parser
+    else:
+        example = node._value()  # the value the config holds without this override
+    optional = " or null" if node._is_optional() else ""
+    hint = f", e.g. {key}={example}" if example is not None and not OmegaConf.is_config(example) else ""
+    return f"{key}={typed} is not {takes} ({key} takes {takes}{optional}{hint})"
+
+
+@contextlib.contextmanager
+def _wrong_types_in_one_line() -> Iterator[None]:
+    """A value of the wrong type for a typed key (`trainer.max_steps=abc`, also in a sweep's `abc,5`) is one line,
+    exit 1, where Hydra prints six of its own: OmegaConf's ValidationError while Hydra merges that override,
+    caught at Hydra's merge of the overrides (a sweep's jobs are composed there too, before any job runs). Only
+    while the command line runs: `runner.compose` keeps raising Hydra's exception to its caller."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    merge = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
+
+    def one_by_one(overrides: list, cfg: DictConfig) -> None:
+        for override in overrides:  # Hydra merges them in order, one at a time, as here
+            try:
+                merge.__func__([override], cfg)
+            except ConfigCompositionException as error:
+                if not isinstance(error.__cause__, ValidationError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"error: {wrong_type(override, error.__cause__)}", file=sys.stderr)
+                raise SystemExit(1) from None
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = merge
 
 
 class RunFolders(Callback):
@@ -277,7 +330,8 @@ def main() -> None:
         sys.exit(1)
     sys.argv[1:] = _prepare_check(_prepare_external_launch(_quote_numeric_choices(sys.argv[1:])))
     try:
-        hydra_main()
+        with _wrong_types_in_one_line():
+            hydra_main()
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
         print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)

@@ -26,7 +26,7 @@ BAD_INPUT = [
     ("negative-num-workers", ["data.num_workers=-1"], "data.num_workers=-1 must be 0"),
     ("step-size-zero", ["scheduler=step", "scheduler.step_size=0"], "scheduler.step_size=0"),
     ("find-unused-maybe", ["strategy=ddp", "strategy.find_unused_parameters=maybe"],
-     "full_key: strategy.find_unused_parameters"),
+     "strategy.find_unused_parameters=maybe is not true or false"),
     ("no-logger", ["~logger"], "logger is not set"),
     ("logger-null", ["logger=null"], "logger=null is not an option of logger: logger=none logs nothing"),
     ("no-scheduler", ["~scheduler"], "scheduler is not set"),
@@ -74,7 +74,7 @@ BAD_INPUT = [
      "precision.precision=32 must be one of 16-mixed, bf16-mixed"),
     ("start-method", ["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread must be one of"),
     ("zero-timeout", ["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0.0 must be a positive number"),
-    ("timeout-not-a-number", ["strategy=ddp", "strategy.timeout=soon"], "full_key: strategy.timeout"),
+    ("timeout-not-a-number", ["strategy=ddp", "strategy.timeout=soon"], "strategy.timeout=soon is not a number"),
     ("single-strategy-key", ["+strategy.timeout=5"], "strategy.timeout is not a setting of strategy "
                                                      "(runner.strategies.SingleDeviceStrategy); allowed: none"),
     ("auto-strategy-key", ["strategy=auto", "+strategy.timeout=5"], "strategy.timeout is not a setting of strategy "
@@ -83,7 +83,7 @@ BAD_INPUT = [
     ("checkpoint-io-key", ["checkpoint_io=async", "+checkpoint_io.workers=2"], "checkpoint_io.workers is not a"),
     ("cluster-slurm-locally", ["cluster=slurm"], "cluster=slurm but this process was not started by srun"),
     ("task-key", ["+task.smoothing=0.1"], "task.smoothing is not a setting of task (runner.tasks.ClassificationTask)"),
-    ("task-value", ["task.label_smoothing=high"], "full_key: task.label_smoothing"),
+    ("task-value", ["task.label_smoothing=high"], "task.label_smoothing=high is not a number"),
     ("regression-loss", ["experiment=regression", "task.loss=mae"], "task.loss=mae must be one of mse, l1, huber"),
     ("top-k-beyond-classes", ["task.top_k=[1,10]"], "task.top_k=[1, 10] asks for more than data.num_classes=4"),
     ("logger-key", ["logger.tensorboard.flushsecs=1"], "logger.tensorboard.flushsecs"),

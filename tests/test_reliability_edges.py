@@ -1,0 +1,62 @@
+"""Edges of the issue "Reliability": a value of the wrong type for a typed key is one line, the sweep's bookkeeping
+takes concurrent writers, stage=validate with trainer.limit_val_batches=0 is refused, and a NaN monitored metric
+is said, not silently skipped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+import runner
+from conftest import TINY, clean_environ, run_main
+
+# -- a value of the wrong type for a typed key --------------------------------------------------------------------
+
+WRONG_TYPES = [
+    (["trainer.max_steps=abc"],  # the example is the value before the override (TINY's 3)
+     "error: trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. trainer.max_steps=3)"),
+    (["trainer.max_steps=1e1"],
+     "error: trainer.max_steps=1e1 is not an integer (trainer.max_steps takes an integer, e.g. trainer.max_steps=10)"),
+    (["trainer.max_steps=1.5"], "error: trainer.max_steps=1.5 is not an integer"),
+    (["trainer.max_epochs=x"], "error: trainer.max_epochs=x is not an integer (trainer.max_epochs takes an integer "
+                               "or null"),
+    (["trainer.deterministic=maybe"], "error: trainer.deterministic=maybe is not true or false"),
+    (["-m", "trainer.max_steps=abc,5"], "error: trainer.max_steps=abc is not an integer"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), WRONG_TYPES, ids=[" ".join(o) for o, _ in WRONG_TYPES])
+def test_a_value_of_the_wrong_type_is_one_line_naming_key_value_and_type(
+        overrides: list[str], expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    flags = [o for o in overrides if o == "-m"]  # Hydra's flags come before the overrides
+    args = [*flags, *TINY, *(o for o in overrides if o != "-m"), f"hydra.run.dir={tmp_path / 'run'}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    code, output = run_main(args, monkeypatch, capsys)
+    assert code == 1, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(expected), output
+    assert not (tmp_path / "sweep" / "0").exists()  # no job of the sweep ran
+
+
+def test_the_python_api_still_raises_hydras_exception_after_the_command_line_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    run_main([*TINY, "trainer.max_steps=abc", f"hydra.run.dir={tmp_path}"], monkeypatch, capsys)
+    with pytest.raises(ConfigCompositionException):
+        runner.compose([*TINY, "trainer.max_steps=abc"])
+
+
+def test_a_wrong_type_through_the_command_line(tmp_path: Path) -> None:
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "runner", "trainer.max_steps=abc",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=clean_environ(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. "
+        "trainer.max_steps=-1)"], result.stderr
+
