@@ -14,6 +14,8 @@ import json
 import logging
 import shutil
 import math
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -284,6 +286,13 @@ def _markdown(rows: list[dict], columns: list[str]) -> str:
 
 
 def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    """Write `path` whole or not at all. The temporary name is this writer's own (process id and random): under a
+    launcher that runs every task of a job (submitit's tasks_per_node > 1) each task writes the same records."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x") as file:  # "x": never another writer's file
+            file.write(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

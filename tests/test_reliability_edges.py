@@ -60,3 +60,39 @@ def test_a_wrong_type_through_the_command_line(tmp_path: Path) -> None:
         "error: trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. "
         "trainer.max_steps=-1)"], result.stderr
 
+
+# -- the sweep's bookkeeping with concurrent writers ----------------------------------------------------------------
+
+def _write_status_often(job_dir: Path, times: int, errors: "multiprocessing.Queue") -> None:
+    from runner import sweep
+
+    try:
+        for i in range(times):
+            sweep._write_status(job_dir, {"status": "running", "i": i, "pad": "x" * 4000})
+        errors.put(None)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        errors.put(repr(error))
+
+
+def test_two_processes_writing_one_jobs_status_never_collide(tmp_path: Path) -> None:
+    """submitit with tasks_per_node > 1 runs the sweep's bookkeeping in every task of a job: each writes the job's
+    .hydra/job_status.json at once. One shared temporary name had one rename the other's file away
+    (FileNotFoundError ... .job_status.json.tmp)."""
+    import json
+    import multiprocessing
+
+    from runner import sweep
+
+    context = multiprocessing.get_context("fork")
+    errors = context.Queue()
+    writers = [context.Process(target=_write_status_often, args=(tmp_path, 300, errors)) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    outcomes = [errors.get(timeout=60) for _ in writers]
+    for writer in writers:
+        writer.join(timeout=30)
+    assert outcomes == [None, None]
+    status = json.loads((tmp_path / sweep.STATUS_FILE).read_text())
+    assert status["i"] == 299
+    assert [p.name for p in (tmp_path / ".hydra").iterdir()] == ["job_status.json"]  # no temporary file left
+
