@@ -112,6 +112,8 @@ def _may_test(data: Any) -> bool:
 
 def evaluate(split: str) -> Callable[[Any, Any], dict]:
     def run(loop: Any, data: Any) -> dict:
+        if split == "val":
+            _refuse_no_validation(loop.cfg)
         loader = _loader(loop, data, split, "validate" if split == "val" else split)
         metrics = loop.evaluate(split, loader, _dev_batches(loop))
         result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
@@ -120,6 +122,16 @@ def evaluate(split: str) -> Callable[[Any, Any], dict]:
         loop.write_result(result)
         return result
     return run
+
+
+def _refuse_no_validation(t: Any) -> None:
+    """`trainer.limit_val_batches=0` turns validation off, as in Lightning (whose validate() then returns no metrics
+    and says nothing): with stage=validate, whose only product is validation metrics, it is refused rather than
+    ending as a success that validated nothing (an experiment that turns off validation during fit, reused)."""
+    if t.limit_val_batches == 0 and not t.fast_dev_run:  # fast_dev_run's one batch overrides the limits
+        raise ConfigError([f"trainer.limit_val_batches={t.limit_val_batches} with stage=validate validates nothing: "
+                           "0 turns validation off; to validate, drop it or set trainer.limit_val_batches=1.0 (all "
+                           "batches)"])
 
 
 def predict(loop: Any, data: Any) -> dict:

@@ -96,3 +96,25 @@ def test_two_processes_writing_one_jobs_status_never_collide(tmp_path: Path) -> 
     assert status["i"] == 299
     assert [p.name for p in (tmp_path / ".hydra").iterdir()] == ["job_status.json"]  # no temporary file left
 
+
+# -- stage=validate with trainer.limit_val_batches=0 -----------------------------------------------------------------
+
+def test_validate_with_limit_val_batches_0_is_refused_not_run_over_everything(tmp_path: Path) -> None:
+    """0 turns validation off (Lightning's meaning): a stage=validate that validated all batches anyway ignored it,
+    and one that validated nothing would end as a success without metrics; it is refused in one line."""
+    from conftest import compose_config
+    from runner.config import ConfigError
+
+    runner.fit(compose_config([*TINY, "trainer.max_steps=2"]), run_dir=tmp_path / "trained")
+    last = tmp_path / "trained" / "checkpoints" / "last.ckpt"
+    for zero in ("0", "0.0"):
+        cfg = compose_config([*TINY, "stage=validate", f"trainer.ckpt_path={last}",
+                              f"trainer.limit_val_batches={zero}"])
+        with pytest.raises(ConfigError, match=rf"trainer\.limit_val_batches={zero} with stage=validate validates "
+                                              r"nothing: 0 turns validation off"):
+            runner.fit(cfg, run_dir=tmp_path / f"validate-{zero}")
+        assert not (tmp_path / f"validate-{zero}" / "metrics.json").exists()
+    validated = runner.fit(compose_config([*TINY, "stage=validate", f"trainer.ckpt_path={last}"]),
+                           run_dir=tmp_path / "validate")
+    assert "val/loss" in validated
+
