@@ -169,6 +169,14 @@ class _Monitor:
             return not math.isnan(value)
         return value < than - margin if self.mode == "min" else value > than + margin
 
+    def finite(self, loop: Any, value: float, step: int, consequence: str) -> bool:
+        """Whether `value` can count; a NaN or inf one is said once per validation (every process has the same)."""
+        if math.isfinite(value):
+            return True
+        if loop.strategy.is_global_zero:
+            log.warning("%s: %s is %s at step %d: %s", self.who, self.monitor, value, step, consequence)
+        return False
+
 
 class EarlyStopping(_Monitor):
     """Stop every process at the same step once `monitor` has not improved by `min_delta` for `patience`
@@ -187,15 +195,19 @@ class EarlyStopping(_Monitor):
 
     def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
         value = _monitored(metrics, self.monitor, self.who)
-        if self.better(value, self.best, self.min_delta):
+        counts = self.finite(loop, value, step, f"counts as no improvement ({self.wait + 1} of patience "
+                                                f"{self.patience})")
+        if counts and self.better(value, self.best, self.min_delta):
             self.best, self.best_step, self.wait = value, step, 0
         else:
             self.wait += 1
         # The values are reduced over processes, so every process decides alike; the vote makes sure.
         if loop.strategy.reduce_boolean_decision(self.wait >= self.patience, all=False):
             self.stopped_step = step
+            best = (f"best {self.best:.6g} at step {self.best_step}" if self.best is not None
+                    else "it was never finite")
             loop.request_stop(f"early_stopping: {self.monitor} did not improve by more than {self.min_delta:g} "
-                              f"for {self.wait} validation(s); best {self.best:.6g} at step {self.best_step}")
+                              f"for {self.wait} validation(s); {best}")
 
     def on_fit_end(self, loop: Any, result: dict) -> None:
         if self.stopped_step >= 0:
@@ -222,14 +234,18 @@ class ModelCheckpoint(_Monitor):
         self.save_top_k = save_top_k
         self.kept: list[list] = []  # [score, step, file name], best first
         self.best: Optional[list] = None  # [score, step]
+        self.not_finite: list = []  # this run's validations whose value was NaN or inf: [value, step]
 
     def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
         value = _monitored(metrics, self.monitor, self.who)
+        if not self.finite(loop, value, step, "not a candidate for best.ckpt"):  # inf would be best for good
+            self.not_finite.append([value, step])
+            return
         folder = loop.run_dir / "checkpoints"
         if self.better(value, None if self.best is None else self.best[0]):
             self.best = [value, step]
             loop.save_checkpoint(folder / "best.ckpt")
-        if self.save_top_k == 0 or math.isnan(value):
+        if self.save_top_k == 0:
             return
         if self.save_top_k != -1 and len(self.kept) >= self.save_top_k and not self.better(value, self.kept[-1][0]):
             return
@@ -245,6 +261,10 @@ class ModelCheckpoint(_Monitor):
         if self.best is not None:
             result.update(best_model_score=self.best[0], best_step=self.best[1],
                           best_model_path=str(loop.run_dir / "checkpoints" / "best.ckpt"))
+        elif self.not_finite and loop.strategy.is_global_zero:
+            value, step = self.not_finite[-1]
+            log.warning("model_checkpoint: best.ckpt was not written: %s was not finite at any of this run's %d "
+                        "validation(s) (last %s at step %d)", self.monitor, len(self.not_finite), value, step)
 
     def state_dict(self) -> dict:
         return {"kept": [list(item) for item in self.kept], "best": self.best}

@@ -118,3 +118,73 @@ def test_validate_with_limit_val_batches_0_is_refused_not_run_over_everything(tm
                            run_dir=tmp_path / "validate")
     assert "val/loss" in validated
 
+
+# -- a NaN monitored metric -------------------------------------------------------------------------------------------
+
+class _Loop:
+    """What the monitoring callbacks use of the loop: rank 0, the run folder, saves and a stop request."""
+
+    def __init__(self, run_dir: Path) -> None:
+        from types import SimpleNamespace
+
+        self.run_dir, self.saved, self.stopped = run_dir, [], None
+        self.strategy = SimpleNamespace(is_global_zero=True, reduce_boolean_decision=lambda decision, all: decision)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.saved.append(path.name)
+
+    def remove_checkpoint(self, path: Path) -> None:
+        self.saved.remove(path.name)
+
+    def request_stop(self, reason: str) -> None:
+        self.stopped = reason
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_model_checkpoint_says_a_non_finite_value_is_no_candidate_and_that_best_was_not_written(
+        bad: float, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from runner.callbacks import ModelCheckpoint
+
+    loop, callback = _Loop(tmp_path), ModelCheckpoint(save_top_k=2)
+    for step in (20, 40):
+        callback.on_validation_end(loop, {"val/loss": bad}, step)
+    result: dict = {}
+    callback.on_fit_end(loop, result)
+    assert loop.saved == [] and "best_model_path" not in result
+    assert _warnings(caplog) == [
+        f"model_checkpoint: val/loss is {bad} at step 20: not a candidate for best.ckpt",
+        f"model_checkpoint: val/loss is {bad} at step 40: not a candidate for best.ckpt",
+        f"model_checkpoint: best.ckpt was not written: val/loss was not finite at any of this run's 2 validation(s) "
+        f"(last {bad} at step 40)"]
+
+
+def test_model_checkpoint_keeps_the_finite_best_around_a_nan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from runner.callbacks import ModelCheckpoint
+
+    loop, callback = _Loop(tmp_path), ModelCheckpoint(save_top_k=2)
+    for step, value in ((20, 0.5), (40, float("nan")), (60, 0.4)):
+        callback.on_validation_end(loop, {"val/loss": value}, step)
+    result: dict = {}
+    callback.on_fit_end(loop, result)
+    assert (result["best_model_score"], result["best_step"]) == (0.4, 60)
+    assert sorted(loop.saved) == ["best-step-000020.ckpt", "best-step-000060.ckpt", "best.ckpt", "best.ckpt"]
+    assert _warnings(caplog) == ["model_checkpoint: val/loss is nan at step 40: not a candidate for best.ckpt"]
+
+
+def test_early_stopping_says_a_nan_counts_as_no_improvement_and_stops_without_crashing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A monitor NaN from the first validation left `best` None, and the stop message formatted it: a TypeError."""
+    from runner.callbacks import EarlyStopping
+
+    loop, callback = _Loop(tmp_path), EarlyStopping(patience=2)
+    for step in (20, 40):
+        callback.on_validation_end(loop, {"val/loss": float("nan")}, step)
+    assert loop.stopped == ("early_stopping: val/loss did not improve by more than 0 for 2 validation(s); it was "
+                            "never finite")
+    assert _warnings(caplog) == [
+        "early_stopping: val/loss is nan at step 20: counts as no improvement (1 of patience 2)",
+        "early_stopping: val/loss is nan at step 40: counts as no improvement (2 of patience 2)"]
