@@ -76,21 +76,22 @@ def build_model(cfg: DictConfig) -> Any:
     return instantiate(cfg.model)
 
 
-def build_data(cfg: DictConfig, strategy: Any = None, trainer: Any = None) -> Any:
+def build_data(cfg: DictConfig, strategy: Any = None, trainer: Any = None, beat: Any = None) -> Any:
     """The data, prepared (a data module's prepare_data once per node, its setup in every process, see
     runner.data.prepare), then checked: every process built the same (one collective), the loop can read it, its
     first samples form a batch, and the model and task take its batches (on the meta device: a model whose input
     width is not the data's fails with the sizes of both).
 
     Here, where each process builds its data anyway. The object is built once per process: where the checks before
-    launch built it in this process, it is theirs (see DataHandOver).
+    launch built it in this process, it is theirs (see DataHandOver). `beat`: the process's heartbeat, if watched.
     """
     from runner.data import prepare
     from runner.data.modules import rank_difference
+    from runner.heartbeat import NoHeartbeat
 
     kept = _handed_over(cfg)
     data = prepare(build_unchecked_data(cfg) if kept is _NOTHING else kept, strategy, cfg.get("stage", "fit"),
-                   trainer)  # a data module's `trainer`: the run's TrainerView
+                   trainer, beat or NoHeartbeat())  # a data module's `trainer`: the run's TrainerView
     # The agreement first, on every process alike: it is a collective, which a process that raised would not reach.
     problem = (rank_difference(data, strategy) or data_contract(cfg, data) or first_batches_problem(cfg, data)
                or model_data_mismatch(cfg, data))

@@ -6,6 +6,9 @@ the others waiting in the step's collective, so every rank goes quiet; the stuck
 far: the beats count the step and the forward passes within it (a rank blocked in the gradient reduction has
 finished its forward, one stuck in its forward or its data has not). Checkpoint saves, which can outlast any
 step, pause the watch of the ranks in them.
+
+Before the first step the beats name a phase (prepare_data, setup, the rest of the start), numbered alike on every
+rank: a rank waiting in a collective for a peer has reached a later phase than the peer, so the earliest is named.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ HEARTBEAT_DIR = "RUNNER_HEARTBEAT_DIR"
 # How much longer than the longest pause seen between beats a rank may be quiet before it counts as stuck.
 SLOWEST_PAUSE_FACTOR = 10
 DUMP_SIGNAL = signal.SIGUSR2  # on it each launched worker dumps its Python stacks (faulthandler)
+# A worker's phases, in the order every rank goes through them (a rank that skips one goes on to the next).
+START, PREPARE, PREPARED, SETUP, BUILT, STEPS = range(6)
+_WIDTH = 160  # of a record: a shorter one never leaves the tail of a longer one behind
 
 log = logging.getLogger("runner")
 
@@ -35,10 +41,17 @@ class NoHeartbeat:
     def step(self, step: int) -> None:
         pass
 
+    def phase(self, phase: int, label: str) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
 
 class Heartbeat:
-    """This process's beat file `<folder>/<rank>`: 'pid step ticks paused steps', rewritten in place at each beat
-    (`steps`: how many steps this process has started, whatever step it resumed at).
+    """This process's beat file `<folder>/<rank>`: 'pid step ticks paused steps phase label', rewritten in place at
+    each beat (`steps`: how many steps this process has started, whatever step it resumed at; `phase` and `label`:
+    where it is before its first step, see `phase`).
 
     `step(n)` at the start of each optimizer step (n steps done); `tick` after each forward pass (a forward hook);
     the checkpoint hooks pause the watch around a save, and the end of the run pauses it for good.
@@ -47,10 +60,22 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int) -> None:
         self._fd = os.open(Path(folder) / str(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         self._pid, self._step, self._ticks, self._paused, self._steps = os.getpid(), -1, 0, 0, 0
+        self._phase, self._label = START, "its start-up (before the data's hooks)"
         self._write()
 
     def step(self, step: int) -> None:
-        self._step, self._ticks, self._steps, self._paused = step, 0, self._steps + 1, 0
+        self._step, self._ticks, self._steps, self._paused, self._phase = step, 0, self._steps + 1, 0, STEPS
+        self._write()
+
+    def phase(self, phase: int, label: str) -> None:
+        """Entering `phase` (one of START..BUILT) before the first step; `label` names it in the stall message
+        ("rank 1 made no progress for 10 s in <label>")."""
+        self._phase, self._label, self._ticks = phase, label[:100], 0
+        self._write()
+
+    def pause(self) -> None:
+        """For good: what follows (an evaluation stage, the end of the run) is not watched."""
+        self._paused = 1
         self._write()
 
     def tick(self, *hook_args: Any) -> None:
@@ -73,13 +98,11 @@ class Heartbeat:
         self._write()
 
     def on_fit_end(self, loop: Any, result: dict) -> None:
-        self._paused = 1  # what remains (final writes, waiting for the other ranks) is no step
-        self._write()
+        self.pause()  # what remains (final writes, waiting for the other ranks) is no step
 
     def _write(self) -> None:
-        # Fixed width: a shorter record never leaves the tail of a longer one behind.
-        record = f"{self._pid} {self._step} {self._ticks} {self._paused} {self._steps}"
-        os.pwrite(self._fd, record.ljust(64).encode(), 0)
+        record = f"{self._pid} {self._step} {self._ticks} {self._paused} {self._steps} {self._phase} {self._label}"
+        os.pwrite(self._fd, record.ljust(_WIDTH).encode(), 0)
 
 
 def from_environment(rank: int) -> Any:
@@ -94,8 +117,21 @@ class _Rank:
     step: int
     ticks: int
     paused: bool
-    steps: int  # the steps this process has started: its first one (compiling, warming up) is not watched
+    steps: int  # the steps this process has started
     changed: float  # when the watch saw this record change (monotonic)
+    phase: int = STEPS
+    label: str = ""
+
+    @property
+    def point(self) -> tuple[int, int, int]:
+        """How far it got: the later, the greater."""
+        return self.phase, self.step, self.ticks
+
+    @property
+    def where(self) -> str:
+        if self.phase != STEPS:
+            return self.label
+        return f"its first step (step {self.step + 1})" if self.steps == 1 else f"step {self.step + 1}"
 
 
 def read_beats(folder: Path) -> dict[int, _Rank]:
@@ -105,8 +141,10 @@ def read_beats(folder: Path) -> dict[int, _Rank]:
         if not path.name.isdigit():  # a rank's stack dump
             continue
         with contextlib.suppress(OSError, ValueError):
-            pid, step, ticks, paused, steps = map(int, path.read_text().split())
-            beats[int(path.name)] = _Rank(pid, step, ticks, paused == 1, steps, 0.0)
+            fields = path.read_text().split(None, 6)
+            pid, step, ticks, paused, steps, phase = map(int, (fields + [str(STEPS)])[:6])
+            label = fields[6].strip() if len(fields) > 6 else ""
+            beats[int(path.name)] = _Rank(pid, step, ticks, paused == 1, steps, 0.0, phase, label)
     return beats
 
 
@@ -133,8 +171,10 @@ class StallWatch:
     """A thread of the launcher that reads the beats. When an armed rank has been quiet for `timeout` seconds (or
     SLOWEST_PAUSE_FACTOR times the longest pause seen between its beats, if longer), it has every worker dump its
     stacks, keeps a message naming the least advanced rank with its stack, and kills the workers: the launcher
-    then reports that message. A rank is armed once every rank has finished its first step. Ranks all quiet at
-    the same point are not stuck on one another: that is said in the log, and the job goes on."""
+    then reports that message. The ranks are watched once each has beaten, from their start; the least advanced
+    must itself have been quiet that long (a peer that waits for it may have been quiet longer). The longest pause
+    counts from the second step (the first compiles, warms up). Ranks all quiet at the same point are not stuck on
+    one another: that is said in the log, and the job goes on."""
 
     def __init__(self, folder: Path, num_processes: int, timeout: float, run_dir: Path, setting: str = "") -> None:
         self.folder, self.num_processes, self.timeout, self.run_dir = folder, num_processes, timeout, run_dir
@@ -183,46 +223,52 @@ class StallWatch:
             seen = self._ranks.get(rank)
             if seen is None or seen.pid != beat.pid:
                 self._ranks[rank] = dataclasses.replace(beat, changed=now)
-            elif (beat.steps, beat.ticks, beat.paused) != (seen.steps, seen.ticks, seen.paused):
-                if self._armed() and not seen.paused:
+            elif (beat.steps, beat.ticks, beat.paused, beat.phase) != (seen.steps, seen.ticks, seen.paused, seen.phase):
+                if self._steady() and not seen.paused:
                     self._slowest = max(self._slowest, now - seen.changed)
                 self._ranks[rank] = dataclasses.replace(beat, changed=now)
-        if not self._armed():
+        if len(self._ranks) < self.num_processes:
             return []
         limit = max(self.timeout, SLOWEST_PAUSE_FACTOR * self._slowest)
         active = {rank: seen for rank, seen in self._ranks.items() if not seen.paused}
-        if not any(now - seen.changed > limit for seen in active.values()):
+        if not active:
             return []
-        least = min((seen.step, seen.ticks) for seen in active.values())
-        stuck = sorted(rank for rank, seen in active.items() if (seen.step, seen.ticks) == least)
+        least = min(seen.point for seen in active.values())
+        stuck = sorted(rank for rank, seen in active.items() if seen.point == least)
+        if not all(now - active[rank].changed > limit for rank in stuck):
+            return []
         if len(stuck) == self.num_processes:
             # Every rank quiet at the same point: none waits for another (a slow callback, upload or metric on
             # all of them, or a collective that hangs for all, which strategy.timeout ends). Said once, not ended.
             if self._all_quiet_at != least:
                 self._all_quiet_at = least
-                log.warning("every rank has been quiet for %.0f s at the same point of step %d (%s): none waits "
+                log.warning("every rank has been quiet for %.0f s at the same point of %s (%s): none waits "
                             "for another, so the job goes on; a collective that never completes ends at "
-                            "strategy.timeout", now - min(seen.changed for seen in active.values()), least[0] + 1,
-                            self.setting)
+                            "strategy.timeout", now - min(seen.changed for seen in active.values()),
+                            active[stuck[0]].where, self.setting)
             return []
         return stuck
 
-    def _armed(self) -> bool:
+    def _steady(self) -> bool:
+        """Past every rank's first step: the pauses between beats are those of training."""
         return len(self._ranks) == self.num_processes and all(seen.steps >= 2 for seen in self._ranks.values())
 
     def _end(self, stuck: list[int]) -> None:
         quiet = time.monotonic() - min(self._ranks[rank].changed for rank in stuck)
         stacks = dump_stacks({rank: seen.pid for rank, seen in self._ranks.items()}, self.folder)
         kept = keep_in_logs(stacks, self.run_dir)
-        step = self._ranks[stuck[0]].step + 1  # the beat counts the steps done: this one is running
-        who = (f"rank {stuck[0]} made no progress for {quiet:.0f} s in step {step}, while the other ranks waited "
+        first = self._ranks[stuck[0]]
+        who = (f"rank {stuck[0]} made no progress for {quiet:.0f} s in {first.where}, while the other ranks waited "
                "for it" if len(stuck) == 1 else
-               f"ranks {', '.join(map(str, stuck))} made no progress for {quiet:.0f} s in step {step}, all at the "
+               f"ranks {', '.join(map(str, stuck))} made no progress for {quiet:.0f} s in {first.where}, all at the "
                "same point of it")
+        ended = "the job was ended"
+        if first.phase != STEPS or first.steps == 1:  # where a slow start (a download, compiling) is legitimate
+            ended += "; if it is only slow (a download, compiling), raise strategy.stall_timeout"
         shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n{_top(stacks.get(rank, ''))}"
                           for rank in stuck)
         self.rank = stuck[0]
-        self.message = f"{who} ({self.setting}); the job was ended.\n{shown}"
+        self.message = f"{who} ({self.setting}); {ended}.\n{shown}"
         if kept:
             self.message += f"\nevery rank's stacks are in its log ({', '.join(kept)})"
         for seen in self._ranks.values():

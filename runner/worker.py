@@ -148,13 +148,14 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     from omegaconf import OmegaConf
 
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+    beat = heartbeat.from_environment(strategy.global_rank)  # from here: a hang before the first step is named
     info = stages.run_info(strategy, cfg.trainer.num_nodes)
     if strategy.is_global_zero:
         log.info(stages.run_line(info))
     precision = strategy.precision
     view = TrainerView(cfg, strategy, run_dir)  # what Lightning code reads as `self.trainer` (a data module's too)
     # Lightning's order for a LightningModule: its data module is set up before the module's setup(stage).
-    data = build.build_data(cfg, strategy, view) if is_lightning_config(cfg) else None
+    data = build.build_data(cfg, strategy, view, beat) if is_lightning_config(cfg) else None
     with precision.module_init_context():
         model = build.build_model(cfg)
     setup_module(model, view)  # a LightningModule: its trainer view, setup(stage), configure_model()
@@ -165,7 +166,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         # In place: the module keeps its state_dict keys, so checkpoints load with or without compile.
         task.compile(**compile_arguments)
     wrapped = strategy.setup_module(task)
-    data = build.build_data(cfg, strategy, view) if data is None else data
+    data = build.build_data(cfg, strategy, view, beat) if data is None else data
     sampler_kwargs = strategy.distributed_sampler_kwargs
     dev_run = bool(cfg.trainer.fast_dev_run)
     logger = build.build_logger(cfg, run_dir, strategy.is_global_zero and not dev_run)
@@ -182,8 +183,10 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
                 logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks,
                 run_info=info)
     attach_lightning(loop, view)  # the view follows the loop; Lightning's hooks and self.log, where there are any
-    heartbeat.attach(heartbeat.from_environment(strategy.global_rank), loop, compiled=compile_arguments is not None)
+    heartbeat.attach(beat, loop, compiled=compile_arguments is not None)
     stage = cfg.get("stage", "fit")
+    if stage != "fit":
+        beat.pause()  # an evaluation stage has no steps to watch
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
     try:

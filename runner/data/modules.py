@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from torch.utils.data._utils.collate import default_collate
 
 from runner.data.batches import collate
+from runner.heartbeat import BUILT, PREPARE, PREPARED, SETUP, NoHeartbeat
 from runner.values import is_int
 
 # Every split a data object may have, in the order an agreement across processes compares them.
@@ -24,26 +25,30 @@ def is_data_module(data: Any) -> bool:
     return any(callable(getattr(data, name, None)) for name in ("prepare_data", "setup"))
 
 
-def prepare(data: Any, strategy: Any, stage: str, trainer: Any = None) -> Any:
+def prepare(data: Any, strategy: Any, stage: str, trainer: Any = None, beat: Any = NoHeartbeat()) -> Any:
     """A LightningDataModule's order: `prepare_data()` once per node (its local rank 0; the other processes wait),
     then `setup(stage)` in every process; the data the runner's loaders read comes back (see `ready`). A data object
-    with a `trainer` attribute (a LightningDataModule's) gets `trainer`, the run's view, before both."""
+    with a `trainer` attribute (a LightningDataModule's) gets `trainer`, the run's view, before both. `beat`: this
+    process's heartbeat, told each phase, so that the launcher's stall watch names a hook that hangs."""
     from runner.lightning.trainer_view import attach_to_data
 
     attach_to_data(trainer, data)
     if callable(getattr(data, "prepare_data", None)):
-        _once_per_node(data.prepare_data, strategy, per_node=getattr(data, "prepare_data_per_node", True))
-    return ready(data, stage)
+        _once_per_node(data.prepare_data, strategy, per_node=getattr(data, "prepare_data_per_node", True), beat=beat)
+    return ready(data, stage, beat)
 
 
-def ready(data: Any, stage: str) -> Any:
+def ready(data: Any, stage: str, beat: Any = NoHeartbeat()) -> Any:
     """`data` after `setup(stage)` (where it has one): itself, or, when it gives DataLoaders for the stage's splits
     (`train_dataloader()`, ...) instead of data sets, a LoaderData of them."""
     source = data.source if isinstance(data, LoaderData) else data
-    if callable(getattr(source, "setup", None)):
+    hook = f"data.setup({stage!r})" if callable(getattr(source, "setup", None)) else ""
+    if hook:
         from runner.errors import call_hook
 
-        call_hook(f"data.setup({stage!r})", lambda: source.setup(stage))
+        beat.phase(SETUP, hook)
+        call_hook(hook, lambda: source.setup(stage))
+    beat.phase(BUILT, f"its start-up after {hook or 'building the data'}, before its first step")
     splits = STAGE_SPLITS[stage]
     gives_loaders = any(getattr(source, f"{split}_dataset", None) is None and _loader_method(source, split)
                         for split in splits)
@@ -58,7 +63,8 @@ def _loader_method(source: Any, split: str) -> Optional[Callable[[], Any]]:
     return method if callable(method) and not (owner is not None and owner.__name__ == "DataHooks") else None
 
 
-def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: bool) -> None:
+def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: bool,
+                   beat: Any = NoHeartbeat()) -> None:
     """Call `prepare_data` in one process per node (or of the job, `per_node` False) while the others wait; a
     failure there ends every process (the others with a line that points to it)."""
     from runner.errors import HookFailed, WorkerFailed, call_hook
@@ -67,10 +73,12 @@ def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: boo
     where = "local rank 0 of a node" if per_node else "global rank 0"
     error: Optional[BaseException] = None
     if chosen:
+        beat.phase(PREPARE, "data.prepare_data()")
         try:
             call_hook("data.prepare_data()", prepare_data, f"on {where}")
         except HookFailed as raised:  # re-raised below, after the others know
             error = raised
+    beat.phase(PREPARED, f"the wait for data.prepare_data() on {where}")
     failed = strategy.reduce_boolean_decision(error is not None, all=False) if strategy is not None else False
     if error is not None:
         raise error
