@@ -1,0 +1,96 @@
+"""`python -m runner stage=check` against `python -m runner trainer.fast_dev_run=true`, side by side: whole processes,
+start-up included, alternated (A B A B ..., the order flipped every other round) so drift on a shared machine hits
+both alike. Wall seconds (a monotonic clock around the child) and CPU seconds (user + system of the finished child,
+the operating system's accounting), min / median / max over the rounds; quote the medians, and the ratio check /
+fast_dev_run of each round's pair (median of the ratios).
+
+The issue's target: stage=check takes at most 0.5 x the wall time of fast_dev_run on the default config.
+
+`--snapshot DIR` (repeatable) also times stage=check of other code: a folder holding runner/ and conf/ (e.g.
+`git archive <commit> | tar -x -C /tmp/snap`), put first on PYTHONPATH for its runs; the working tree is `.`.
+Every run starts in a scratch folder (so that `python -m` imports the code asked for) and fast_dev_run writes its
+run folder there.
+
+    python benchmarks/check_stage.py --rounds 10
+    python benchmarks/check_stage.py --rounds 8 --snapshot /tmp/snap-head   # before (HEAD) and after (working tree)
+    python benchmarks/check_stage.py --rounds 5 experiment=charlm           # another config: extra overrides
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_once(code: Path, overrides: list[str]) -> tuple[float, float]:
+    """(wall, cpu) seconds of one `python -m runner <overrides>` with `code` first on PYTHONPATH."""
+    scratch = Path(tempfile.mkdtemp(prefix="check-stage-"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "runner", *overrides]
+    if "stage=check" not in overrides:
+        command.append(f"hydra.run.dir={scratch / 'run'}")
+    try:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.monotonic()
+        done = subprocess.run(command, env=env, cwd=scratch, capture_output=True, text=True, timeout=600,
+                              check=False)
+        wall = time.monotonic() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} (code {code}) failed:\n{done.stderr[-3000:]}")
+        return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--snapshot", action="append", default=[], help="a folder with runner/ and conf/ (repeatable)")
+    p.add_argument("--json", type=Path, help="write every run's figures here")
+    p.add_argument("overrides", nargs="*", help="overrides for both commands (default: the default config)")
+    args = p.parse_args()
+    variants: dict[str, tuple[Path, list[str]]] = {
+        "check": (REPO, ["stage=check", *args.overrides]),
+        "fast_dev_run": (REPO, ["trainer.fast_dev_run=true", *args.overrides]),
+    }
+    for snapshot in args.snapshot:
+        variants[f"check@{snapshot}"] = (Path(snapshot).resolve(), ["stage=check", *args.overrides])
+    names = list(variants)
+    run_once(*variants["fast_dev_run"])  # warm-up, not counted: the page cache, .pyc files
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            runs[name].append(run_once(*variants[name]))
+        print(f"round {round_ + 1}: " + "  ".join(f"{n} {r[-1][0]:.2f}s/{r[-1][1]:.2f}s cpu" for n, r in runs.items()),
+              flush=True)
+    print(f"{args.rounds} rounds, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end")
+    for name in names:
+        print(f"{name:>14}: wall {spread([w for w, _ in runs[name]])}  cpu {spread([c for _, c in runs[name]])}")
+    for name in (n for n in names if n.startswith("check")):
+        for column, label in ((0, "wall"), (1, "cpu")):
+            ratios = [a[column] / b[column] for a, b in zip(runs[name], runs["fast_dev_run"])]
+            print(f"{name} / fast_dev_run, {label}: {spread(ratios)}")
+    if args.json:
+        args.json.write_text(json.dumps({"rounds": args.rounds, "overrides": args.overrides,
+                                         "runs": {n: [{"wall": w, "cpu": c} for w, c in r] for n, r in runs.items()}},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
