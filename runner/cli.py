@@ -317,6 +317,7 @@ def _expected(error: BaseException) -> bool:
 def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
+    failed_jobs.clear()  # this command's sweep only (a program may call main() more than once)
     if run_as_python_m() and wants_bash_install(sys.argv[1:]):
         print(PYTHON_M_BASH)  # Hydra's own completes `runner ...`, not `python -m runner ...`
         return

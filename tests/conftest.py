@@ -146,9 +146,11 @@ def _destroy_process_group():
 
 @pytest.fixture(autouse=True)
 def _restore_global_state():
-    """Runs configure the root logger (run-folder log files) and torch flags; put both back."""
-    root = logging.getLogger()
+    """Runs configure the root logger (run-folder log files), the runner's own logger (its files and console, no
+    propagation) and torch flags; put them back, so that a later test's output reaches its own capture."""
+    root, runner_log = logging.getLogger(), logging.getLogger("runner")
     handlers, level = list(root.handlers), root.level
+    runner_state = (list(runner_log.handlers), runner_log.level, runner_log.propagate)
     deterministic = torch.are_deterministic_algorithms_enabled()
     dtype = torch.get_default_dtype()
     yield
@@ -156,6 +158,10 @@ def _restore_global_state():
         if handler not in handlers:
             handler.close()
     root.handlers, root.level = handlers, level
+    for handler in runner_log.handlers:
+        if handler not in runner_state[0]:
+            handler.close()
+    runner_log.handlers, runner_log.level, runner_log.propagate = runner_state
     torch.use_deterministic_algorithms(deterministic)
     torch.set_default_dtype(dtype)
     GlobalHydra.instance().clear()
