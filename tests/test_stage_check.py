@@ -4,6 +4,7 @@ would hold per process; nothing launched, trained or written. `-m stage=check` o
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,18 @@ from setup_counting_data import read_calls
 
 TESTS = Path(__file__).resolve().parent
 DDP8 = ("stage=check", "strategy=ddp", "accelerator=cpu", "trainer.devices=8")
+
+
+@pytest.fixture(autouse=True)
+def _runner_log_as_a_new_process_has_it():
+    """The report is a line of the runner's logger, which reaches the console through Hydra's handlers, as in a
+    new process: a run an earlier module's fixture made in this process may have left the logger writing to that
+    fixture's console instead."""
+    log = logging.getLogger("runner")
+    saved = (list(log.handlers), log.propagate, log.level)
+    log.handlers, log.propagate, log.level = [], True, logging.NOTSET
+    yield
+    log.handlers, log.propagate, log.level = saved
 
 
 def test_check_reports_parameters_flops_and_memory_per_process(tmp_path, monkeypatch, capsys) -> None:
