@@ -188,15 +188,49 @@ class StepsItself(LitPlain):
         super().optimizer_step(*args, **kwargs)
 
 
-class ManualOptimization(LitPlain):
-    """automatic_optimization = False with two optimizers: refused before launch."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(**settings)
-        self.automatic_optimization = False
+class TwoOptimizersAutomatic(LitPlain):
+    """Two optimizers with automatic optimization: refused before launch (Lightning 2 refuses it too)."""
 
     def configure_optimizers(self) -> list:
         return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class ManualTwoOptimizers(LitPlain):
+    """Manual optimization, a GAN's alternating steps on a classifier: the head steps first on the body's features
+    detached (clipped with self.clip_gradients when `clip` > 0), then the body through the updated head, with only the
+    body's parameters taking gradients (`toggle_model`); each optimizer's StepLR stepped by the module at every step.
+    Returns nothing: the logged losses are the metrics."""
+
+    def __init__(self, clip: float = 0.0, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.automatic_optimization = False
+        self.clip = clip
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        head_optimizer, body_optimizer = self.optimizers()
+        features = torch.relu(self.net[0](x))
+        head_loss = nn.functional.cross_entropy(self.net[2](features.detach()), y)
+        head_optimizer.zero_grad()
+        self.manual_backward(head_loss)
+        if self.clip:
+            self.clip_gradients(head_optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        head_optimizer.step()
+        with body_optimizer.toggle_model():
+            body_loss = nn.functional.cross_entropy(self.net[2](features), y)
+            body_optimizer.zero_grad()
+            self.manual_backward(body_loss)
+            body_optimizer.step()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+        self.log("head_loss", head_loss)
+        self.log("body_loss", body_loss)
+
+    def configure_optimizers(self) -> tuple[list, list]:
+        head = torch.optim.SGD(self.net[2].parameters(), lr=self.lr, momentum=0.9)
+        body = torch.optim.Adam(self.net[0].parameters(), lr=self.lr / 10)
+        return [head, body], [torch.optim.lr_scheduler.StepLR(head, step_size=2, gamma=0.5),
+                              torch.optim.lr_scheduler.StepLR(body, step_size=3, gamma=0.5)]
 
 
 class RecordingCallback(pl.Callback):

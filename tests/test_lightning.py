@@ -190,10 +190,15 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
 @pytest.mark.parametrize(("overrides", "line"), [
     (("model._target_=lightning_modules.StepsItself",),
      r"model \(StepsItself\) overrides optimizer_step, which the runner does not call: the runner's step calls "),
-    (("model._target_=lightning_modules.ManualOptimization",),
-     r"model \(ManualOptimization\) sets automatic_optimization = False: Lightning's manual optimization"),
-    (("model._target_=lightning_modules.ManualOptimization",),
-     r"ManualOptimization.configure_optimizers\(\) returned 2 optimizers: the runner takes one"),
+    (("model._target_=lightning_modules.TwoOptimizersAutomatic",),
+     r"TwoOptimizersAutomatic.configure_optimizers\(\) returned 2 optimizers with automatic optimization: set "
+     r"self.automatic_optimization = False"),
+    (("model._target_=lightning_modules.ManualTwoOptimizers", "strategy=fsdp"),
+     r"strategy=fsdp: model \(ManualTwoOptimizers\) uses manual optimization, which the runner runs under"),
+    (("model._target_=lightning_modules.ManualTwoOptimizers", "trainer.accumulate_grad_batches=2"),
+     r"trainer.accumulate_grad_batches=2: model \(ManualTwoOptimizers\) uses manual optimization; accumulate in"),
+    (("model._target_=lightning_modules.ManualTwoOptimizers", "trainer.gradient_clip_val=1.0"),
+     r"trainer.gradient_clip_val=1.0: .* call self.clip_gradients\(opt"),
     (("model._target_=lightning_modules.LitPlain", "+callbacks.s._target_=lightning_modules.SanityCallback"),
      r"callbacks.s \(SanityCallback\) overrides on_sanity_check_start, which the runner does not call"),
     (("+callbacks.r._target_=lightning_modules.RecordingCallback", "+callbacks.r.folder=.",
@@ -207,7 +212,7 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
      r"strategy=dp: a LightningModule runs under strategy=ddp"),
     (("model._target_=lightning_modules.LitPlain", "+metrics.acc._target_=runner.metrics.Accuracy"),
      r"metrics=\['acc'\]: a LightningModule logs its own metrics"),
-], ids=["optimizer_step", "manual", "two-optimizers", "callback-hook", "plain-model-callback", "stock-callback", "dp",
+], ids=["optimizer_step", "two-optimizers-automatic", "manual-fsdp", "manual-accumulate", "manual-clip", "callback-hook", "plain-model-callback", "stock-callback", "dp",
         "metrics-config"])
 def test_what_is_not_run_is_refused_before_launch_in_one_line(tmp_path: Path, overrides: tuple, line: str) -> None:
     from runner.checks import validate
@@ -239,3 +244,41 @@ def test_a_step_scheduler_over_estimated_stepping_batches_and_should_stop(tmp_pa
     saved = load_checkpoint(tmp_path / "run")
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
     assert saved["scheduler"]["steps"] == 4
+
+
+# -- 3. manual optimization: several optimizers stepped by the module --------------------------------------------------
+MANUAL = ("model._target_=lightning_modules.ManualTwoOptimizers", "+model.clip=0.5", "trainer.max_steps=8")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_ddp")
+def test_manual_optimization_with_two_optimizers_on_one_and_two_processes(tmp_path: Path) -> None:
+    """A GAN's alternating steps (two optimizers, two backward passes through one forward graph, clip_gradients,
+    toggle_model, schedulers the module steps): 1 process x 16 and 2 x 8 take the same steps (DDP's own gradient
+    hooks would fail on the second backward pass); both optimizers and schedulers are in the checkpoint."""
+    one = runner.fit(_cfg(tmp_path, *MANUAL), run_dir=tmp_path / "one")
+    two = runner.fit(_cfg(tmp_path, *MANUAL, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
+    _same_weights(tmp_path / "one", tmp_path / "two")
+    assert one["train/body_loss"] == pytest.approx(two["train/body_loss"], abs=1e-6)
+    saved = load_checkpoint(tmp_path / "one")
+    assert saved["optimizer"]["classes"] == ["SGD", "Adam"]
+    head, body = saved["optimizer"]["optimizers"]
+    assert head["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)  # StepLR(2): halved at steps 2, 4, 6, 8
+    assert body["param_groups"][0]["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # StepLR(3): at steps 3 and 6
+    assert head["state"] and body["state"]  # momentum and Adam's moments
+
+
+def test_manual_optimization_resumes_exactly(tmp_path: Path) -> None:
+    """8 steps, or 5 then 3 more from last.ckpt: the same weights, both optimizers' states and both schedules."""
+    runner.fit(_cfg(tmp_path, *MANUAL), run_dir=tmp_path / "straight")
+    runner.fit(_cfg(tmp_path, *MANUAL, "trainer.max_steps=5"), run_dir=tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    runner.fit(_cfg(tmp_path, *MANUAL, f"trainer.ckpt_path={last}"), run_dir=tmp_path / "resumed")
+    _same_weights(tmp_path / "straight", tmp_path / "resumed", atol=0)
+    straight, again = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    assert straight["scheduler"] == again["scheduler"]
+    for a, b in zip(straight["optimizer"]["optimizers"], again["optimizer"]["optimizers"]):
+        assert a["param_groups"] == b["param_groups"]
+        for key, state in a["state"].items():
+            for name, value in state.items():
+                torch.testing.assert_close(b["state"][key][name], value, rtol=0, atol=0)

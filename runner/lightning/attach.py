@@ -9,6 +9,7 @@ from typing import Any
 from runner.config import ConfigError
 from runner.lightning.checks import module_problems
 from runner.lightning.detect import is_lightning_callback, is_lightning_module, overrides
+from runner.lightning.manual import install as install_manual, is_manual, manual_problems
 from runner.lightning.optimizers import LightningSchedules, configured_by
 from runner.lightning.trainer_view import TrainerView
 
@@ -21,7 +22,8 @@ def setup_module(model: Any, view: TrainerView) -> None:
     the strategy moves and wraps it (Lightning's order). Other models are left as they are."""
     if not is_lightning_module(model):
         return
-    problems = module_problems(model, view._stage)  # also when no check ran before (torchrun, srun, runner.fit)
+    # Also when no check ran before (torchrun, srun, runner.fit).
+    problems = module_problems(model, view._stage) + manual_problems(model, view._cfg, type(view.strategy))
     if problems:
         raise ConfigError(problems)
     if view.is_global_zero:
@@ -62,4 +64,6 @@ def attach(loop: Any, view: TrainerView) -> None:
         model.optimizers = lambda use_pl_optimizer=True: loop.optimizer
         configs = loop.scheduler.configs if isinstance(loop.scheduler, LightningSchedules) else []
         view.attach_optimizer(loop.optimizer, configs)
+        if is_manual(model):
+            install_manual(loop, view, model)
     hooks.setup_callbacks(view._stage)

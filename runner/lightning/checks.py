@@ -1,5 +1,5 @@
 """What of a Lightning project the runner does not run, refused before any worker starts, one line each: hooks of a
-LightningModule or a Lightning callback it never calls, manual optimization, several optimizers, Lightning's own
+LightningModule or a Lightning callback it never calls, several optimizers without manual optimization, Lightning's own
 callbacks (which reach into Lightning's Trainer), and settings that mean nothing for a LightningModule."""
 
 from __future__ import annotations
@@ -72,9 +72,6 @@ def module_problems(model: Any, stage: str) -> list[str]:
         lines += [f"model ({name}) overrides {hook}: stage=predict calls the module's forward on each batch's inputs, "
                   "not Lightning's predict hooks" for hook in PREDICT if overrides(model, hook)]
     if not inspect.isclass(model):
-        if not getattr(model, "automatic_optimization", True):
-            lines.append(f"model ({name}) sets automatic_optimization = False: Lightning's manual optimization "
-                         "(optimizers stepped in training_step) is not run; return the loss and let the runner step")
         if getattr(model, "truncated_bptt_steps", 0):
             lines.append(f"model ({name}) sets truncated_bptt_steps: truncated back-propagation through time is "
                          "not run")
@@ -84,7 +81,7 @@ def module_problems(model: Any, stage: str) -> list[str]:
 def optimizer_problems(model: Any) -> list[str]:
     """configure_optimizers() on the module built on the meta device (skipped when it needs a running trainer)."""
     from runner.config import ConfigError
-    from runner.lightning.optimizers import _parse
+    from runner.lightning.optimizers import _parse, several_problem
 
     what = f"{type(model).__name__}.configure_optimizers()"
     try:
@@ -92,7 +89,7 @@ def optimizer_problems(model: Any) -> list[str]:
     except Exception:  # noqa: BLE001 - it may read self.trainer: the worker calls it with one, and says why it fails
         return []
     try:
-        _parse(returned, what)
+        several_problem(len(_parse(returned, what)[0]), model, what)
     except ConfigError as error:
         return list(error.problems)
     return []
@@ -129,6 +126,7 @@ def config_problems(cfg: Any, meta_model: Callable[[], Any], strategy: Optional[
     `strategy` is the strategy's class (None when unknown)."""
     from hydra.utils import get_method
 
+    from runner.lightning.manual import manual_problems
     from runner.strategies import DataParallelStrategy
 
     stage = str(cfg.get("stage", "fit"))
@@ -145,6 +143,7 @@ def config_problems(cfg: Any, meta_model: Callable[[], Any], strategy: Optional[
             yield from (line for line in module_problems(instance, stage) if line not in module_problems(cls, stage))
             if stage == "fit":
                 yield from optimizer_problems(instance)
+                yield from manual_problems(instance, cfg, strategy)
         if strategy is not None and issubclass(strategy, DataParallelStrategy):
             yield ("strategy=dp: a LightningModule runs under strategy=ddp (one process per device; Lightning 2 has no "
                    "DataParallel either)")

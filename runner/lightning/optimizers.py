@@ -1,10 +1,10 @@
 """A LightningModule's `configure_optimizers()` in the runner's terms: one optimizer, and its schedulers stepped as
 Lightning steps them (every `frequency` optimizer steps or epochs, ReduceLROnPlateau with the metric it monitors).
 
-Lightning's return forms with one optimizer: the optimizer; [optimizer]; ([optimizer], [scheduler, ...]); a dict with
+Lightning's return forms: the optimizer; [optimizer, ...]; ([optimizer, ...], [scheduler, ...]); a dict with
 `optimizer` and `lr_scheduler` (a scheduler, or a dict with `scheduler`, `interval`, `frequency`, `monitor`,
-`strict`, `name`), or a one-element list of such dicts. Several optimizers (Lightning's manual optimization) are
-refused by name.
+`strict`, `name`), or a list of such dicts. Several optimizers need manual optimization (as in Lightning 2); the
+loop sees them as one OptimizerSet, and the module's training_step steps them (runner.lightning.manual).
 """
 
 from __future__ import annotations
@@ -41,46 +41,57 @@ class SchedulerConfig:
 _CONFIGURED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[SchedulerConfig]]" = weakref.WeakKeyDictionary()
 
 
-def configure(module: Any) -> torch.optim.Optimizer:
-    """The optimizer `module.configure_optimizers()` returns; its schedulers are kept for `schedules_for`."""
+def configure(module: Any) -> Any:
+    """The optimizer `module.configure_optimizers()` returns (several, under manual optimization, as one
+    OptimizerSet); its schedulers are kept for `schedules_for`."""
+    from runner.loop.optimizers import OptimizerSet
+
     what = f"{type(module).__name__}.configure_optimizers()"
     returned = module.configure_optimizers()
-    optimizer, schedulers, monitor = _parse(returned, what)
+    optimizers, schedulers, monitor = _parse(returned, what)
+    several_problem(len(optimizers), module, what)
     configs = [_config(item, monitor, what) for item in schedulers]
     for config in configs:
-        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+        if not any(getattr(config.scheduler, "optimizer", o) is o for o in optimizers):
             raise ConfigError([f"{what}: a scheduler ({type(config.scheduler).__name__}) steps another optimizer than "
-                               "the one returned"])
+                               "those returned"])
+    optimizer = optimizers[0] if len(optimizers) == 1 else OptimizerSet(optimizers)
     _CONFIGURED[optimizer] = configs
     return optimizer
 
 
-def _parse(returned: Any, what: str) -> tuple[torch.optim.Optimizer, list, Optional[str]]:
-    """(the optimizer, its schedulers as returned, the dict's `monitor`) of any of Lightning's one-optimizer forms."""
+def several_problem(count: int, module: Any, what: str) -> None:
+    """Several optimizers are Lightning's manual optimization (Lightning 2 refuses them otherwise too)."""
+    if count > 1 and getattr(module, "automatic_optimization", True):
+        raise ConfigError([f"{what} returned {count} optimizers with automatic optimization: set "
+                           "self.automatic_optimization = False and step them in training_step (Lightning's manual "
+                           "optimization), or use one optimizer with parameter groups"])
+
+
+def _parse(returned: Any, what: str) -> tuple[list, list, Optional[str]]:
+    """(the optimizers, their schedulers as returned, a dict's `monitor`) of any of Lightning's return forms."""
     if isinstance(returned, torch.optim.Optimizer):
-        return returned, [], None
+        return [returned], [], None
     if isinstance(returned, Mapping):
         if not isinstance(returned.get("optimizer"), torch.optim.Optimizer):
             raise ConfigError([f"{what} returned a dict without an optimizer under 'optimizer'"])
         found = returned.get("lr_scheduler")
-        return returned["optimizer"], [] if found is None else [found], returned.get("monitor")
-    if isinstance(returned, Sequence) and not isinstance(returned, str):
+        return [returned["optimizer"]], [] if found is None else [found], returned.get("monitor")
+    if isinstance(returned, Sequence) and not isinstance(returned, str) and returned:
         items = list(returned)
         if len(items) == 2 and all(isinstance(i, Sequence) and not isinstance(i, str) for i in items):
             optimizers, schedulers = list(items[0]), list(items[1])
         else:
             optimizers, schedulers = items, []
-        if len(optimizers) == 1 and isinstance(optimizers[0], Mapping):
-            optimizer, more, monitor = _parse(optimizers[0], what)
-            return optimizer, more + schedulers, monitor
-        if len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.Optimizer):
-            return optimizers[0], schedulers, None
-        if len(optimizers) > 1:
-            raise ConfigError([f"{what} returned {len(optimizers)} optimizers: the runner takes one (several are "
-                               "Lightning's manual optimization, which it does not run); use one optimizer with "
-                               "parameter groups"])
-    raise ConfigError([f"{what} returned {type(returned).__name__}; return an optimizer, [optimizer], ([optimizer], "
-                       "[scheduler]) or {'optimizer': ..., 'lr_scheduler': ...}"])
+        if optimizers and all(isinstance(o, Mapping) for o in optimizers):
+            parsed = [_parse(item, what) for item in optimizers]
+            monitors = {m for _, _, m in parsed if m is not None}
+            return ([o for found, _, _ in parsed for o in found], [s for _, found, _ in parsed for s in found]
+                    + schedulers, monitors.pop() if len(monitors) == 1 else None)
+        if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            return optimizers, schedulers, None
+    raise ConfigError([f"{what} returned {type(returned).__name__}; return an optimizer, [optimizer, ...], "
+                       "([optimizer, ...], [scheduler, ...]) or {'optimizer': ..., 'lr_scheduler': ...}"])
 
 
 def _config(item: Any, monitor: Optional[str], what: str) -> SchedulerConfig:
@@ -106,7 +117,10 @@ def _config(item: Any, monitor: Optional[str], what: str) -> SchedulerConfig:
 
 def schedules_for(optimizer: Any) -> Optional["LightningSchedules"]:
     """The loop's scheduler for an optimizer a LightningModule configured; None for any other optimizer."""
-    configs = _CONFIGURED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    try:
+        configs = _CONFIGURED.get(optimizer)
+    except TypeError:  # not weakly referable: not one a module configured
+        configs = None
     return None if configs is None else LightningSchedules(optimizer, configs)
 
 
@@ -122,6 +136,7 @@ class LightningSchedules:
         self.steps = self.epochs = 0
         self.metrics: Callable[[], dict] = dict  # the run's reduced metrics (set when training starts)
         self.module: Any = None  # a module with lr_scheduler_step of its own steps the schedulers itself
+        self.manual = False  # manual optimization: the module's training_step steps its schedulers (as in Lightning)
 
     def step(self) -> None:
         self.steps += 1
@@ -132,7 +147,7 @@ class LightningSchedules:
         self._step("epoch", self.epochs)
 
     def _step(self, interval: str, count: int) -> None:
-        for config in self.configs:
+        for config in () if self.manual else self.configs:
             if config.interval != interval or count % config.frequency:
                 continue
             metric = self._monitored(config) if config.reduce_on_plateau else None

@@ -10,7 +10,6 @@ units, and the step follows the mean over the micro-batches that gave a loss (on
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -23,6 +22,7 @@ from runner.tasks.base import BatchError, Task, describe, leading_size, stats_ro
 SPLITS = ("val", "test")
 STEPS = {"train": "training_step", "val": "validation_step", "test": "test_step"}
 WEIGHT = "#weight"  # the column of a logged value's weight, after its weighted sum
+LOSS_UNITS = "lightning_loss_units"  # the units of the training losses returned (none when a manual step returns none)
 
 
 class NotTriedOnMeta(Exception):
@@ -56,10 +56,12 @@ class LightningTask(Task):
         self.evaluations: dict[str, Evaluation] = {}
         self.split = "test"  # evaluation batches run validation_step between on_validation_start and its epoch end
         self.step_records: list = []  # (output, batch, batch_idx) of the step's micro-batches, for on_train_batch_end
+        self.manual = False  # manual optimization: training_step back-propagates itself; its loss is only reported
 
     @property
     def extra_stats(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("lightning_val", "lightning_test", *(c for n in self._train_names or () for c in (n, n + WEIGHT)))
+        return ("lightning_val", "lightning_test", LOSS_UNITS,
+                *(c for n in self._train_names or () for c in (n, n + WEIGHT)))
 
     def units(self, batch: Any) -> Optional[int]:
         return None  # counted from the step's output: the gradients are rescaled by the step's units (StepWeights)
@@ -90,13 +92,16 @@ class LightningTask(Task):
             value = None if item is None else self._train_value(name, item)
             weight = 0 if value is None else (item.batch_size if item.batch_size is not None else units)
             columns += [0.0, 0] if value is None else [value * weight, weight]
-        if loss is None:  # nothing trained: no samples either, so a window of skipped batches keeps the last values
+        loss_units = 0 if loss is None else units
+        if loss is None and self.manual:  # trained by the step itself, which reports no loss
+            loss_sum = torch.zeros((), device=hooks.strategy.root_device)
+        elif loss is None:  # nothing trained: no samples either, so a window of skipped batches keeps the last values
             loss_sum, units, samples = hooks.no_loss(model), 0, 0
         else:
             loss_sum = loss.float() * units  # Lightning's mean over the batch, weighted by its size: a sum
         if hooks.keeps_step_outputs:
             self.step_records.append((output, batch, batch_idx))
-        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, 0, 0, *columns)}
+        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, 0, 0, loss_units, *columns)}
 
     def _train_value(self, name: str, item: Logged) -> Any:
         """A logged training value; a torchmetrics Metric's is its value on this batch (what calling it returned)."""
@@ -152,7 +157,7 @@ class LightningTask(Task):
         units = 0 if loss is None else (size if size is not None else samples)
         loss_sum = torch.zeros((), device=hooks.strategy.root_device) if loss is None else loss.float() * units
         flags = (1, 0) if split == "val" else (0, 1)
-        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, *flags,
+        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, *flags, units,
                                                      *([0.0] * 2 * len(self._train_names or ())))}
 
     # -- logged values ---------------------------------------------------------------------------------------------
@@ -162,7 +167,8 @@ class LightningTask(Task):
         split = "val" if sums.get("lightning_val") else "test" if sums.get("lightning_test") else None
         if split is not None:
             return self._close(split, sums)
-        values = {"loss": sums["loss"] / sums["units"] if sums["units"] > 0 else math.nan}
+        loss_units = sums.get(LOSS_UNITS, 0.0)
+        values = {"loss": sums["loss"] / loss_units} if loss_units > 0 else {}
         for name in self._train_names or ():
             weight = sums.get(name + WEIGHT, 0.0)
             if weight > 0:

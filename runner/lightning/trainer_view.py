@@ -59,7 +59,9 @@ class TrainerView:
         self._datamodule = datamodule
 
     def attach_optimizer(self, optimizer: Any, scheduler_configs: list) -> None:
-        self._optimizers, self._scheduler_configs = [optimizer], list(scheduler_configs)
+        from runner.loop.optimizers import optimizers_of
+
+        self._optimizers, self._scheduler_configs = optimizers_of(optimizer), list(scheduler_configs)
 
     def plan(self, total_steps: int) -> None:
         """The optimizer steps the run takes (estimated_stepping_batches), once the worker knows them."""

@@ -20,6 +20,11 @@ PROGRESS_LOG_S = 10.0  # without a terminal, progress goes to the log this often
 PROGRESS_BAR_S = 0.5  # a bar is redrawn at most this often: a step costs a counter increment, nothing more
 
 
+def _loss(metrics: dict) -> str:
+    """The loss in a progress line; none where the steps report none (a LightningModule stepping itself)."""
+    return f"loss {metrics['train/loss']:.4f}  " if "train/loss" in metrics else ""
+
+
 def make_console(schedule: Any, global_batch: int, setting: Union[str, bool], is_global_zero: bool) -> Any:
     """A `Bar` on rank 0 when trainer.progress_bar asks for one (auto: when stderr, where it and the log lines
     go, is a terminal) and tqdm is installed; `Lines` otherwise."""
@@ -49,9 +54,8 @@ class Lines:
             return
         rate = metrics["throughput/samples_per_s"] / self.global_batch
         eta = (total - step) / rate if rate and total < math.inf else float("nan")
-        log.info(f"step {step}/{total if total < math.inf else '?'}  epoch {epoch}  "
-                 f"loss {metrics['train/loss']:.4f}  {metrics['throughput/samples_per_s']:.0f} samples/s  "
-                 f"eta {eta:.0f}s")
+        log.info(f"step {step}/{total if total < math.inf else '?'}  epoch {epoch}  {_loss(metrics)}"
+                 f"{metrics['throughput/samples_per_s']:.0f} samples/s  eta {eta:.0f}s")
         self._last_log = now
 
     def batches(self, loader: Iterable, limit: float, what: str) -> Iterable:
@@ -81,7 +85,7 @@ class Bar:
     def progress(self, metrics: dict, step: int, epoch: int) -> None:
         """At a log step: its loss and throughput in the bar's tail, shown at the next redraw."""
         if self.bar is not None:
-            self.bar.set_postfix_str(f"epoch {epoch}, loss {metrics['train/loss']:.4f}, "
+            self.bar.set_postfix_str(f"epoch {epoch}, {_loss(metrics).strip()}, "
                                      f"{metrics['throughput/samples_per_s']:.0f} samples/s", refresh=False)
 
     def batches(self, loader: Iterable, limit: float, what: str) -> Iterator:

@@ -68,8 +68,8 @@ class MixedPrecision(Precision):
     def convert_output(self, data: Any) -> Any:
         return cast_floats(data, torch.float32)
 
-    def backward(self, loss: Tensor) -> None:
-        self.scaler.scale(loss).backward()
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        self.scaler.scale(loss).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if id(optimizer) in self._unscaled:
@@ -77,11 +77,15 @@ class MixedPrecision(Precision):
         self.scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer: Optimizer) -> None:
+    def optimizer_step(self, optimizer: Optimizer, update: bool = True) -> None:
         # GradScaler.step skips the update when the gradients hold inf/NaN; update() then lowers the scale.
         self.scaler.step(optimizer)
-        self.scaler.update()
+        if update:
+            self.scaler.update()
         self._unscaled.discard(id(optimizer))
+
+    def update_scale(self) -> None:
+        self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict()

@@ -96,14 +96,20 @@ class Precision:
         """A fresh context around the forward pass (thread-local state such as autocast lives in it)."""
         return nullcontext()
 
-    def backward(self, loss: Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """`loss.backward(*args, **kwargs)` (retain_graph=, inputs=, as a manual step may pass them)."""
+        loss.backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Bring gradients to their true scale before clipping; nothing to do without loss scaling."""
 
-    def optimizer_step(self, optimizer: Optimizer) -> None:
+    def optimizer_step(self, optimizer: Optimizer, update: bool = True) -> None:
+        """Step `optimizer`; `update=False` leaves the loss scale as it is, for a step of several optimizers that
+        calls update_scale() once after the last."""
         optimizer.step()
+
+    def update_scale(self) -> None:
+        """After a step of several optimizers: the loss scaler's one update (nothing without loss scaling)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state (the loss scaler's); plain numbers only, so weights_only loading works."""
