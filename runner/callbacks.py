@@ -31,14 +31,13 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
+from runner.errors import CallbackError, HookFailed, is_user_error
+from runner.processes import peer_gone
+
 log = logging.getLogger("runner")
 HOOKS = ("on_fit_start", "on_train_log", "on_validation_end", "on_save_checkpoint", "on_checkpoint_saved",
          "on_fit_end", "on_exception", "on_before_optimizer_step", "on_train_batch_end", "on_validation_start",
          "on_validation_batch_end", "on_validation_epoch_end")
-
-
-class CallbackError(ValueError):
-    """A callback's setting that only a running job can check (a monitored metric nobody logs)."""
 
 
 class _ByName(dict):
@@ -77,7 +76,8 @@ class Callbacks:
         """The bound `hook` methods of the callbacks that have it, in order."""
         found = self._table.get(hook)
         if found is None:
-            found = self._table[hook] = tuple(method for callback in self.by_name.values()
+            found = self._table[hook] = tuple(_named(name, hook, callback, method)
+                                              for name, callback in self.by_name.items()
                                               if callable(method := getattr(callback, hook, None)))
         return found
 
@@ -95,6 +95,29 @@ class Callbacks:
         for name, callback in self.by_name.items():
             if name in state and hasattr(callback, "load_state_dict"):
                 callback.load_state_dict(state[name])
+
+
+def _named(name: str, hook: str, callback: Any, method: Callable) -> Callable:
+    """A user's callback's `method`, where what it raises is one line naming the callback and the hook (the
+    traceback in the log files); the runner's own callbacks, and the runner's own errors, pass as they are."""
+    if type(callback).__module__.split(".")[0] == "runner":
+        return method
+    label = f"callbacks.{name}.{hook}()"
+
+    def call(*args: Any) -> Any:
+        try:
+            return method(*args)
+        except Exception as error:  # noqa: BLE001 - any failure of the user's hook is that hook's
+            failure = _failed(label, error)
+            if failure is error:
+                raise
+            raise failure from error
+    return call
+
+
+def _failed(label: str, error: Exception) -> Exception:
+    # Another rank gone under a collective is that rank's story; a stop or a config error already says it all.
+    return error if is_user_error(error) or peer_gone(error) else HookFailed(label, error)
 
 
 def _require_logged(metrics: dict, setting: str, name: str, when: str) -> None:

@@ -53,17 +53,31 @@ class NonFiniteLossError(RuntimeError):
     """The loss or the weights became NaN or infinite (trainer.skip_nonfinite_loss skips such steps instead)."""
 
 
-class HookFailed(RuntimeError):
-    """A user's hook (a data module's prepare_data or setup) raised or exited: the message names the hook and what
-    it did; the traceback goes to the run's log files, not the console."""
+class CallbackError(ValueError):
+    """A callback's setting that only a running job can check (a monitored metric nobody logs)."""
 
-    def __init__(self, hook: str, error: BaseException, where: str = "") -> None:
-        lines = str(error).strip().splitlines()
-        what = (f"exited ({error!r})" if isinstance(error, SystemExit)
-                else f"raised {type(error).__name__}: {lines[0] if lines else ''}")
+
+class HookFailed(RuntimeError):
+    """User code (a data module's prepare_data or setup, a callback's hook, a data set's samples) raised or exited:
+    the message names what failed and what it did (`what`, where the default does not say it); the traceback goes
+    to the run's log files, not the console."""
+
+    def __init__(self, hook: str, error: BaseException, where: str = "", what: str = "") -> None:
+        what = what or (f"exited ({error!r})" if isinstance(error, SystemExit) else f"raised {error_line(error)}")
         super().__init__(f"{hook} {what}{f' {where}' if where else ''}")
         self.__cause__ = error
         _to_log_files(self)
+
+
+def error_line(error: BaseException) -> str:
+    """`Type: first line of the message`; for an error a DataLoader worker raised, the worker's own (torch re-raises
+    it in the main process as "Caught Type in DataLoader worker process k", the original traceback in its text)."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught ") and lines[1].startswith("Original Traceback"):
+        name, where = lines[0].split()[1], lines[0].split(" in ", 1)[-1].rstrip(".")
+        own = [line for line in lines[2:] if line == name or line.startswith(f"{name}:")]  # the traceback's last
+        return f"{(own or lines)[-1].strip()} (in {where.replace('DataLoader worker process', 'loader worker')})"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def call_hook(hook: str, call: Callable[[], Any], where: str = "") -> Any:
@@ -99,7 +113,6 @@ def is_user_error(error: BaseException) -> bool:
     """Errors whose message says it all; anything else keeps its traceback (it is a bug to report)."""
     from hydra.errors import InstantiationException
 
-    from runner.callbacks import CallbackError
     from runner.checkpoint_io import CheckpointError
     from runner.config import ConfigError
     from runner.run_lock import RunFolderBusy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterator, Optional
 
 import torch
@@ -52,10 +53,63 @@ def _settings(data: Any, split: str) -> dict:
                      "pin_memory": bool(getattr(data, "pin_memory", False))}
 
 
+class Loader(DataLoader):
+    """A DataLoader whose failures name what failed: a sample, a collate or a stream that raises is one line naming
+    the split and the error (torch's worker wrapper taken off), a loader worker that died says so; the traceback
+    goes to the run's log files."""
+
+    def __init__(self, *args: Any, split: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.split = split
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Reading(super().__iter__(), self.split, self.num_workers)
+
+
+class _Reading:
+    """A loader's iterator, its errors turned into `read_failed`'s."""
+
+    def __init__(self, iterator: Any, split: str, workers: int) -> None:
+        self._iterator, self._split, self._workers = iterator, split, workers
+
+    def __iter__(self) -> "_Reading":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever a batch's reading raises is the data's code's
+            raise read_failed(self._split, self._workers, error) from error
+
+
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal)")
+
+
+def read_failed(split: str, workers: int, error: Exception) -> Exception:
+    """What the reading of `split`'s batches raised, as the one line a user reads; a runner error stays as it is."""
+    from runner.errors import HookFailed, is_user_error
+
+    if is_user_error(error):
+        return error
+    source = f"data.{split}_dataset"
+    died = [e for e in (error.__cause__, error) if e is not None and _WORKER_DIED.search(str(e))]
+    if died:  # torch's "exited unexpectedly" carries the signal in its cause
+        said = str(died[0]).strip().rstrip(".")
+        return HookFailed(f"a loader worker of {source}", error, what=(
+            f"died: {said} (data.num_workers={workers}; a worker killed by SIGKILL is most often the out-of-memory "
+            "killer: fewer workers or smaller samples)"))
+    return HookFailed(f"reading a batch of {source}", error)
+
+
 def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int) -> DataLoader:
     settings = _settings(data, split)
     workers = settings["num_workers"]
-    return DataLoader(
+    return Loader(
         getattr(data, f"{split}_dataset"),
         batch_size=settings["batch_size"],
         sampler=sampler,
@@ -67,6 +121,7 @@ def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int)
         collate_fn=settings["collate_fn"],
         # The loader's own generator keeps the global RNG untouched, so resuming mid-epoch is exact.
         generator=torch.Generator().manual_seed(seed),
+        split=split,
     )
 
 
@@ -74,12 +129,12 @@ def _as_is(batch: Any) -> Any:
     return batch  # a stream's share comes collated
 
 
-def _stream_loader(share: StreamShare, settings: dict, seed: int) -> DataLoader:
+def _stream_loader(share: StreamShare, settings: dict, seed: int, split: str) -> DataLoader:
     """A share's batches, made in its loader workers: not persistent ones, which would keep the epoch and the start
     they were made with."""
-    return DataLoader(share, batch_size=None, num_workers=settings["num_workers"],
-                      pin_memory=settings["pin_memory"] and torch.cuda.is_available(), collate_fn=_as_is,
-                      generator=torch.Generator().manual_seed(seed))
+    return Loader(share, batch_size=None, num_workers=settings["num_workers"],
+                  pin_memory=settings["pin_memory"] and torch.cuda.is_available(), collate_fn=_as_is,
+                  generator=torch.Generator().manual_seed(seed), split=split)
 
 
 class TrainBatches:
@@ -123,7 +178,7 @@ def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> TrainB
     if is_stream(dataset):
         share = StreamShare(dataset, batch_size, collate_fn=settings["collate_fn"], whole=True, **kwargs)
         share.in_process = settings["num_workers"] == 0
-        return TrainBatches(_stream_loader(share, settings, seed), batch_size, share,
+        return TrainBatches(_stream_loader(share, settings, seed, "train"), batch_size, share,
                             {"order": f"stream {type(dataset).__name__}", "samples": share.size})
     own = settings.get("sampler")
     order = (Drawn(own, seed, f"data ({type(getattr(data, 'source', data)).__name__}): train_dataloader()")
@@ -142,7 +197,7 @@ def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str 
     if is_stream(dataset):
         settings = _settings(data, split)
         share = StreamShare(dataset, settings["batch_size"], collate_fn=settings["collate_fn"], whole=False, **kwargs)
-        return _stream_loader(share, settings, seed)
+        return _stream_loader(share, settings, seed, split)
     return _loader(data, split, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)
 
 
