@@ -188,6 +188,20 @@ class StepsItself(LitPlain):
         super().optimizer_step(*args, **kwargs)
 
 
+class LitPredicts(LitPlain):
+    """predict_step: the class probabilities of a batch's inputs; on_predict_batch_start counts the batches."""
+
+    predict_batches = 0
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return torch.softmax(self.net(x), dim=-1)
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert batch_idx == self.predict_batches and self.trainer.predicting
+        self.predict_batches += 1
+
+
 class TwoOptimizersAutomatic(LitPlain):
     """Two optimizers with automatic optimization: refused before launch (Lightning 2 refuses it too)."""
 

@@ -282,3 +282,21 @@ def test_manual_optimization_resumes_exactly(tmp_path: Path) -> None:
         for key, state in a["state"].items():
             for name, value in state.items():
                 torch.testing.assert_close(b["state"][key][name], value, rtol=0, atol=0)
+
+
+def test_predict_step_gives_the_predictions(tmp_path: Path) -> None:
+    """stage=predict calls the module's predict_step (its own output, softmax here, not forward's logits) for every
+    sample once, in the data set's order, with on_predict_batch_start before each batch."""
+    lit = ("model._target_=lightning_modules.LitPredicts", "trainer.max_steps=2")
+    runner.fit(_cfg(tmp_path, *lit), run_dir=tmp_path / "fit")
+    ckpt = tmp_path / "fit" / "checkpoints" / "last.ckpt"
+    cfg = _cfg(tmp_path, *lit, "stage=predict", f"trainer.ckpt_path={ckpt}", "data.test_samples=40")
+    runner.fit(cfg, run_dir=tmp_path / "predict")
+    predictions = torch.load(tmp_path / "predict" / "predictions.pt", weights_only=True)["predictions"]
+    data = runner.build.build_data(cfg, None)
+    samples = [data.predict_dataset[i] for i in range(len(data.predict_dataset))]
+    inputs = torch.stack([s[0] if isinstance(s, (tuple, list)) else s for s in samples])
+    assert inputs.shape == (40, 8)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    net.load_state_dict({k.removeprefix("net."): v for k, v in load_checkpoint(tmp_path / "fit")["model"].items()})
+    torch.testing.assert_close(predictions, torch.softmax(net(inputs), dim=-1).detach(), atol=1e-6, rtol=0)

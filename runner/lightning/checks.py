@@ -38,8 +38,9 @@ MODULE_REFUSED = {
     "on_test_model_train": "the runner puts the model back in train mode itself",
     "tbptt_split_batch": "truncated back-propagation through time is not run (Lightning 2 removed it too)",
 }
-PREDICT = ("predict_step", "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
-           "on_predict_batch_start", "on_predict_batch_end", "on_predict_model_eval")
+# Predict hooks the runner does not call (it calls predict_step, on_predict_start, on_predict_epoch_start and
+# on_predict_batch_start/_end; predictions.pt is written after the last batch).
+PREDICT = ("on_predict_end", "on_predict_epoch_end", "on_predict_model_eval")
 # A Lightning callback's hooks the runner calls; any other Lightning hook a callback overrides is refused.
 CALLBACK_HOOKS = (
     "setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
@@ -69,8 +70,9 @@ def module_problems(model: Any, stage: str) -> list[str]:
     lines = [f"model ({name}) overrides {hook}, which the runner does not call: {why}"
              for hook, why in MODULE_REFUSED.items() if overrides(model, hook)]
     if stage == "predict":
-        lines += [f"model ({name}) overrides {hook}: stage=predict calls the module's forward on each batch's inputs, "
-                  "not Lightning's predict hooks" for hook in PREDICT if overrides(model, hook)]
+        lines += [f"model ({name}) overrides {hook}, which stage=predict does not call (it calls predict_step, "
+                  "on_predict_start, on_predict_epoch_start and on_predict_batch_start/_end, then writes "
+                  "predictions.pt)" for hook in PREDICT if overrides(model, hook)]
     if not inspect.isclass(model):
         if getattr(model, "truncated_bptt_steps", 0):
             lines.append(f"model ({name}) sets truncated_bptt_steps: truncated back-propagation through time is "

@@ -57,6 +57,7 @@ class LightningTask(Task):
         self.split = "test"  # evaluation batches run validation_step between on_validation_start and its epoch end
         self.step_records: list = []  # (output, batch, batch_idx) of the step's micro-batches, for on_train_batch_end
         self.manual = False  # manual optimization: training_step back-propagates itself; its loss is only reported
+        self.predicted = 0  # the batches predict_step was given on this process (its batch_idx)
 
     @property
     def extra_stats(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -159,6 +160,33 @@ class LightningTask(Task):
         flags = (1, 0) if split == "val" else (0, 1)
         return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, *flags, units,
                                                      *([0.0] * 2 * len(self._train_names or ())))}
+
+    # -- prediction ------------------------------------------------------------------------------------------------
+    def predicts(self, model: nn.Module) -> bool:
+        """Whether stage=predict calls the module's predict_step (when it has one of its own)."""
+        from runner.lightning.detect import overrides
+
+        return self.hooks is not None and overrides(model, "predict_step")
+
+    def predict(self, model: nn.Module, batch: Any, precision: Any) -> torch.Tensor:
+        """predict_step(batch, batch_idx) between on_predict_batch_start and _end (on_predict_start and
+        on_predict_epoch_start before the first batch): a tensor with one row per sample of the batch."""
+        hooks, batch_idx = self.hooks, self.predicted
+        if batch_idx == 0:
+            hooks.call("on_predict_start")
+            hooks.call("on_predict_epoch_start")
+        self.predicted += 1
+        with precision.forward_context():
+            batch = precision.convert_input(batch)
+            hooks.call("on_predict_batch_start", batch, batch_idx)
+            output = model.predict_step(batch, batch_idx)
+            hooks.call("on_predict_batch_end", output, batch, batch_idx)
+        samples = leading_size(batch)
+        if not (isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == samples):
+            raise BatchError(f"{type(model).__name__}.predict_step returned {describe(output)} for a batch of "
+                             f"{samples}; stage=predict writes one prediction per sample: return a tensor whose first "
+                             "dimension is the batch's")
+        return precision.convert_output(output).detach()
 
     # -- logged values ---------------------------------------------------------------------------------------------
     def compute(self, sums: dict[str, float]) -> dict[str, float]:

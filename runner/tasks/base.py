@@ -161,7 +161,10 @@ class TaskModule(nn.Module):
         return self.task.forward(self.model, batch, self.precision, with_preds)
 
     def predict(self, batch: Any) -> torch.Tensor:
-        """The model's predictions (logits) for a batch of inputs; any targets in it are left out."""
+        """The model's predictions (logits) for a batch of inputs; any targets in it are left out. A task with a
+        predict step of its own (a LightningModule's predict_step) gives its output instead."""
+        if getattr(self.task, "predicts", None) is not None and self.task.predicts(self.model):
+            return self.task.predict(self.model, batch, self.precision)
         fields = as_mapping(batch)
         target_key = getattr(self.task, "target_key", "labels")
         if fields is not None and target_key in fields:
