@@ -1,0 +1,98 @@
+"""What an export needs to know about a run's model, written as plain JSON (`model.json`) when the run starts.
+
+`python -m runner.export` never imports the module a run's config names, so what only the built model knows is
+recorded while the run has it: its class's name, whether it is a transformers `PreTrainedModel` (with its config, the
+`config.json` HuggingFace's `from_pretrained` reads) or a Lightning `LightningModule` (with the plain part of what
+its `save_hyperparameters()` recorded). Classes are told by their names and modules; nothing is imported to tell.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from runner.checkpoint_io.base import CheckpointError
+from runner.checkpoint_io.safetensors_io import write_atomic
+
+FILE = "model.json"
+Kind = Literal["transformers", "lightning", "torch"]
+
+
+def kind_of(model: Any) -> Kind:
+    """transformers for a PreTrainedModel, lightning for a LightningModule, else torch."""
+    from runner.lightning.detect import is_lightning_module
+
+    if is_lightning_module(model):
+        return "lightning"
+    for cls in type(model).__mro__:
+        if cls.__name__ == "PreTrainedModel" and (cls.__module__ or "").startswith("transformers."):
+            return "transformers"
+    return "torch"
+
+
+def describe(model: Any) -> dict:
+    """The record of `model`: `class`, `kind`, and `hf_config` or `hyper_parameters` by its kind."""
+    cls = type(model)
+    record: dict = {"class": f"{cls.__module__}.{cls.__qualname__}", "kind": kind_of(model)}
+    if record["kind"] == "transformers":
+        # The config's own JSON form (what save_pretrained writes), with the class save_pretrained names.
+        config = json.loads(model.config.to_json_string(use_diff=False))
+        config["architectures"] = [cls.__name__]
+        record["hf_config"] = config
+    elif record["kind"] == "lightning":
+        hparams = {k: plain_form(v) for k, v in dict(getattr(model, "hparams", {}) or {}).items()}
+        record["hyper_parameters"] = {k: v for k, v in hparams.items() if is_plain(v)}
+        record["objects"] = sorted(k for k, v in hparams.items() if not is_plain(v))
+    return record
+
+
+def record_model(model: Any, run_dir: str | os.PathLike) -> bool:
+    """Write `<run_dir>/model.json` (global rank 0, once the model is built, before training); False when it could
+    not. It never fails the run: without the record only the hf and lightning exports are missing, and a warning
+    says why."""
+    try:
+        text = json.dumps(describe(model), indent=2, sort_keys=True) + "\n"
+        write_atomic(os.fspath(Path(run_dir) / FILE), [text.encode()])
+    except Exception as err:  # noqa: BLE001 - a model or config this cannot describe must not stop training
+        logging.getLogger("runner").warning("%s not written (runner.export --format hf/lightning will lack it): %s",
+                                            FILE, " ".join(str(err).split()) or type(err).__name__)
+        return False
+    return True
+
+
+def read_record(run_dir: Optional[Path]) -> Optional[dict]:
+    """The run's model.json, or None where the run wrote none."""
+    path = run_dir / FILE if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}; it is written by the run as JSON") from err
+    if not isinstance(record, dict):
+        raise CheckpointError(f"cannot read {path}: it holds a {type(record).__name__}, not the run's model record")
+    return record
+
+
+def plain_form(value: Any) -> Any:
+    """An OmegaConf node (what Hydra passes for a nested mapping) as plain dicts and lists; anything else as is."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def is_plain(value: Any) -> bool:
+    """Numbers, strings, None and lists or string-keyed dicts of them: what JSON and a weights-only load hold."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+    return False
