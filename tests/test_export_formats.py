@@ -82,6 +82,20 @@ def test_safetensors_loads_back_equal_with_tied_weights_once(tmp_path: Path, dty
     assert torch.equal(fresh.head.weight, saved["embed.weight"]) and fresh.head.weight is fresh.embed.weight
 
 
+def test_the_file_is_byte_for_byte_what_safetensors_writes(tmp_path: Path) -> None:
+    """Header layout, dtype codes, order (wider dtypes first) and alignment padding as the reference writer's."""
+    from safetensors.torch import save_file as reference
+
+    from runner.checkpoint_io.safetensors_io import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 4, generator=g), "h": torch.randn(5, generator=g).bfloat16(),
+               "ids": torch.arange(6), "flag": torch.tensor(True), "t": torch.randn(4, 3, generator=g).t()}
+    save_file(tensors, tmp_path / "ours.safetensors", {"format": "pt"})
+    reference({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "theirs.safetensors", {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("name,auto", [("tiny_gpt2", "AutoModelForCausalLM"), ("tiny_bert", "AutoModelForMaskedLM")])
 def test_a_recorded_pretrained_model_exports_a_folder_from_pretrained_loads(tmp_path: Path, name: str,
                                                                              auto: str) -> None:

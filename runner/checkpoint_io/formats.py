@@ -144,7 +144,8 @@ def _other_formats(facts: RunFacts) -> str:
     formats = ["torch (a .pt state_dict)", "safetensors"]
     if facts.is_lightning():
         formats.append("lightning")
-    if facts.record.get("kind") == "transformers":
+    given = facts.model_cfg.get("config")
+    if facts.record.get("kind") == "transformers" or (isinstance(given, dict) and "model_type" in given):
         formats.append("hf")
     return f"it can be written as {', '.join(formats)}"
 
