@@ -22,6 +22,7 @@ from runner.loggers.tracking import cut, flatten, read_job, read_saved_run, read
 
 log = logging.getLogger("runner")
 RUN_RECORD = "mlflow_run.json"
+DEFAULT_SOURCE = "the default: beside the run folders"
 CHECKPOINT_CHOICES = ("best", "last", "all")
 _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml", "resolved.yaml")
 INSTALL = "logger=mlflow needs the mlflow package: pip install 'runner[mlflow]' (or pip install mlflow)"
@@ -46,7 +47,7 @@ def tracking_uri_of(setting: Optional[str], store_dir: Path) -> tuple[str, str]:
         return str(setting), "logger.mlflow.tracking_uri"
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
-    return f"sqlite:///{store_dir / 'mlflow.db'}", "the default: beside the run folders"
+    return f"sqlite:///{store_dir / 'mlflow.db'}", DEFAULT_SOURCE
 
 
 def sqlite_path(uri: str) -> Optional[Path]:
@@ -114,6 +115,14 @@ class MLflowLogger:
         if self.tracking_uri.startswith("sqlite:") and sqlite_path(self.tracking_uri) is None:
             return [f"MLflow cannot keep runs in {where}: an in-memory database is lost when the process ends; "
                     "name a file (sqlite:////path/to/mlflow.db) or leave the setting out for the default"]
+        folder = sqlite_path(self.tracking_uri)
+        folder = folder.parent if folder is not None else None
+        if folder is not None and self._uri_source != DEFAULT_SOURCE and not folder.is_dir():
+            # The default's folder is the runs' own, made with them; a named one is never made up (a typo would
+            # become a fresh database in a new folder, or a tree under / when run as root).
+            what = "is not a folder;" if folder.exists() else f"does not exist; create it (mkdir -p {folder}) or"
+            return [f"{self._uri_source}={self.tracking_uri}: {folder} {what} name a database in an existing "
+                    "folder (or leave the setting out: the default keeps mlflow.db beside the run folders)"]
         if not self.tracking_uri.startswith(("http://", "https://", "file:")) and "://" in self.tracking_uri:
             return _open_database_store(self.tracking_uri, where)
         if urlparse(self.tracking_uri).scheme in ("", "file"):  # recent MLflow refuses its plain file store
@@ -177,14 +186,7 @@ class MLflowLogger:
         with store_lock(self.tracking_uri):  # the client opens (and may create) the store when it is made
             client = MlflowClient(tracking_uri=self.tracking_uri)
             experiment_id = _experiment_id(client, self.experiment_name, self._artifact_location())
-        saved = read_saved_run(self.root / RUN_RECORD)
-        run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
-        if run is not None and (run.info.experiment_id != experiment_id
-                                or run.data.tags.get("runner.run_dir") != str(self.job.run_dir)):
-            log.warning("%s names MLflow run %s, which is not this folder's run of experiment %s (a copied or "
-                        "edited folder?): starting a new run", self.root / RUN_RECORD, run.info.run_id,
-                        self.experiment_name)
-            run = None
+        run = self._saved_run(client, experiment_id)
         if run is not None:
             client.update_run(run.info.run_id, status="RUNNING")
             log.info("continuing MLflow run %s (experiment %s) at %s", run.info.run_id, run.info.experiment_id,
@@ -197,6 +199,29 @@ class MLflowLogger:
         self._client, self.run_id = client, run.info.run_id
         self._params = dict(run.data.params)
         self._log_params(flatten(read_settings(str(self.root))))
+
+    def _saved_run(self, client: Any, experiment_id: str) -> Any:
+        """The MLflow run this folder's record names, when it is this folder's run of the experiment; a record that
+        cannot be continued (damaged, another store's, a run the store lost, another folder's) is one warning."""
+        record = self.root / RUN_RECORD
+        if not record.exists():
+            return None
+        saved = read_saved_run(record)
+        run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
+        if not saved.get("run_id") or not saved.get("tracking_uri"):
+            why = "is damaged (not a JSON record with tracking_uri and run_id)"
+        elif saved["tracking_uri"] != self.tracking_uri:
+            why = f"names a run of another store ({saved['tracking_uri']})"
+        elif run is None:
+            why = f"names MLflow run {saved['run_id']}, which {self.tracking_uri} does not hold (or holds deleted)"
+        elif (run.info.experiment_id != experiment_id
+              or run.data.tags.get("runner.run_dir") != str(self.job.run_dir)):
+            why = (f"names MLflow run {run.info.run_id}, which is not this folder's run of experiment "
+                   f"{self.experiment_name} (a copied or edited folder?)")
+        else:
+            return run
+        log.warning("%s %s: starting a new run", record, why)
+        return None
 
     def _artifact_location(self) -> Optional[str]:
         """Beside a SQLite database, its artifacts (MLflow's own default is ./mlruns, wherever the run starts)."""
