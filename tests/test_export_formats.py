@@ -204,6 +204,15 @@ def test_a_format_the_run_cannot_be_written_in_is_one_line_naming_those_it_can(
     assert not (tmp_path / "out").exists()
 
 
+def test_the_lightning_task_is_told_by_the_name_checkpoints_record() -> None:
+    """A run without model.json is told to be a Lightning run by its checkpoint's `task`: the name must follow the
+    class."""
+    from runner.checkpoint_io.trust import task_name
+    from runner.lightning.task import LightningTask
+
+    assert task_name(LightningTask) == LIGHTNING_TASK
+
+
 def test_the_module_a_run_names_is_never_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's config names a module that would run code on import: the lightning export reads its settings as
     data (plain keys kept, an object's node left out and named for the user to pass)."""
