@@ -204,6 +204,20 @@ def test_a_format_the_run_cannot_be_written_in_is_one_line_naming_those_it_can(
     assert not (tmp_path / "out").exists()
 
 
+def test_without_lightning_installed_the_lightning_format_says_what_to_install(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    run = _fake_run(tmp_path / "run", {"_target_": "somewhere.Lit"}, LIGHTNING_TASK, {"w": torch.ones(2)})
+    assert export_main([str(run), str(tmp_path / "lit.ckpt"), "--format", "lightning"]) == 1
+    assert "neither lightning nor pytorch-lightning is installed here: pip install lightning" in capsys.readouterr().err
+    assert not (tmp_path / "lit.ckpt").exists()
+
+
 def test_the_lightning_task_is_told_by_the_name_checkpoints_record() -> None:
     """A run without model.json is told to be a Lightning run by its checkpoint's `task`: the name must follow the
     class."""
