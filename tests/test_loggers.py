@@ -266,3 +266,21 @@ def test_a_logger_of_your_own_by_target(tmp_path: Path) -> None:
     calls = RecordingLogger.calls[RecordingLogger.calls.index(("init", "run", "x")):]
     assert [c[1] for c in calls if c[0] == "log_metrics" and "train/loss" in c[2]] == [1, 2, 3, 4, 5, 6]
     assert ("log_hyperparams", True) in calls and calls[-1] == ("finalize",)
+
+
+@pytest.mark.parametrize(("project", "found"), [("team/project", "'/'"), ("a#b", "'#'"), ("run:1", "':'"),
+                                                ("x" * 129, "exceeded 128 characters")])
+def test_a_wandb_project_name_wandb_rejects_is_one_line_before_launch(tmp_path: Path, project: str,
+                                                                      found: str) -> None:
+    """W&B refused it only at wandb.init, the first log, after the workers had trained (54 lines of traceback)."""
+    pytest.importorskip("wandb")
+    from runner.checks import validate
+    from runner.config import ConfigError
+
+    cfg = compose_config([*(o for o in TINY if not o.startswith("logger.")), "logger=wandb",
+                          f"logger.wandb.project='{project}'"])  # quoted: # and : are Hydra's
+    with pytest.raises(ConfigError) as raised:
+        validate(cfg)
+    assert f"project={project} is not allowed: Invalid project name '{project}'" in str(raised.value)
+    assert found in str(raised.value) and len(raised.value.problems) == 1
+    assert ("logger.wandb.entity" in str(raised.value)) == ("/" in project)

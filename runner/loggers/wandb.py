@@ -44,6 +44,7 @@ class WandbLogger:
         if not (isinstance(project, str) and project):
             raise ValueError(f"project={project} must name a W&B project")
         self._wandb = _import_wandb()
+        _check_project(self._wandb, project)
         self.root = Path(root_dir)
         self.job = read_job(root_dir)
         self.mode, self.project, self.entity, self.notes = mode, project, entity, notes
@@ -114,6 +115,16 @@ class WandbLogger:
         if self._start_failed or (self.run is None and not (self.root / ".hydra" / "resolved.yaml").is_file()):
             return  # W&B never started, or nothing was logged and this is no job's folder (the checks' build)
         self._active.finish(exit_code=1 if failed else 0)
+
+
+def _check_project(wandb: Any, project: str) -> None:
+    """W&B's own rule for project names (its Settings validator), before launch: W&B itself applies it at
+    wandb.init, the first log, after the workers started and trained their first steps."""
+    try:
+        wandb.Settings(project=project)
+    except wandb.errors.UsageError as error:
+        entity = " (a team or user goes in logger.wandb.entity)" if "/" in project else ""
+        raise ValueError(f"project={project} is not allowed: {error}{entity}") from error
 
 
 def _netrc_key() -> bool:
