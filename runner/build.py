@@ -381,18 +381,23 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
 
         return configure(parameters)
     node = cfg.optimizer
-    parameters = decay_groups(parameters, list(node.get(NO_DECAY) or ())) if isinstance(
-        parameters, torch.nn.Module) else list(parameters)
+    model, entries = parameters, list(node.get(NO_DECAY) or ())
+    parameters = decay_groups(parameters, entries) if isinstance(parameters, torch.nn.Module) else list(parameters)
     extra = fused_setting(node, {t.device.type for t in _tensors(parameters)})
     if extra:
         logging.getLogger("runner").info("optimizer: fused=True (every parameter is on CUDA); +optimizer.foreach=true "
                                          "runs torch's own default, the multi-tensor update, instead")
     settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != NO_DECAY}
     try:
-        return instantiate(OmegaConf.create(settings))(parameters, **extra)
+        optimizer = instantiate(OmegaConf.create(settings))(parameters, **extra)
     except (TypeError, ValueError) as error:  # e.g. lr=-1: a config problem, not a bug
         raise ConfigError([f"optimizer ({node._target_}) does not accept its settings: "
                            f"{one_line(error)}"]) from error
+    if entries and isinstance(model, torch.nn.Module):  # its index i is no longer the model's i-th parameter
+        from runner.checkpoint_io.optimizer_keys import record_names
+
+        record_names([optimizer], model)
+    return optimizer
 
 
 # `optimizer._no_decay_`: the runner's own key in the optimizer group (as `_stages_` in a metric's), which the

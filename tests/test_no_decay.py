@@ -38,6 +38,7 @@ def test_the_groups_hold_exactly_the_named_parameters(make_cfg: MakeCfg, entries
     optimizer = build_optimizer(make_cfg(f"optimizer._no_decay_={entries}"), model)
     decayed, kept = optimizer.param_groups
     assert _names(model, kept) == exempt and kept["weight_decay"] == 0.0
+    assert optimizer.state_dict()["parameter_names"] == _names(model, decayed) + exempt  # what sharded state is keyed by
     assert _names(model, decayed) == [n for n, _ in model.named_parameters() if n not in exempt]
     assert decayed["weight_decay"] == WD
     # With zero gradients AdamW's step is its decay alone: p * (1 - lr * wd) in the first group, nothing in the other.
@@ -63,12 +64,10 @@ def test_without_entries_one_group_as_before(make_cfg: MakeCfg) -> None:
                       r"bias .* such as net\.0\.weight, net\.0\.bias"),
     ("[norm]", r"^optimizer\._no_decay_: norm matches no parameter of model \(runner\.models\.MLP\)"),
     ("bias", r"^optimizer\._no_decay_=bias must be a list of names: bias, norm"),
-    ("[bias] strategy=fsdp trainer.devices=2", r"^optimizer\._no_decay_=\['bias'\] is not available with "
-                                                r"strategy=fsdp: its checkpoints map"),
     ("[bias] optimizer=sgd", r"^optimizer\._no_decay_=\['bias'\] exempts parameters from a weight decay of 0"),
     ("[bias] optimizer.weight_decay=0.0", r"^optimizer\._no_decay_=\['bias'\] exempts parameters from a weight "
                                           r"decay of 0"),
-], ids=["unknown-name", "no-norm-layer", "not-a-list", "fsdp", "sgd-without-decay", "decay-zero"])
+], ids=["unknown-name", "no-norm-layer", "not-a-list", "sgd-without-decay", "decay-zero"])
 def test_unusable_settings_are_refused_in_one_line(make_cfg: MakeCfg, entries: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         validate(make_cfg(*f"optimizer._no_decay_={entries}".split()))

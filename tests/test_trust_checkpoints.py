@@ -58,7 +58,7 @@ def plain(trained: Path, tmp_path: Path) -> Path:
 def as_sharded(plain: Path, folder: Path) -> Path:
     """The same checkpoint as strategy=fsdp saves it (DCP shards, state.pt, checksums.json), in one process."""
     checkpoint = TorchCheckpointIO().load_checkpoint(plain)
-    tensors, rest = sharded.split(checkpoint)
+    tensors, rest = sharded.split(checkpoint, list(checkpoint["model"]))  # an MLP: its parameters are its state
     tmp = sharded.temporary_path(folder, "test")
     sharded.write(tensors, rest, tmp)
     sharded.publish(tmp, folder)
@@ -223,6 +223,27 @@ def test_damaged_metadata_is_one_line(plain: Path, tmp_path: Path) -> None:
     (folder / ".metadata").write_bytes((folder / ".metadata").read_bytes()[:100])
     manifest.write(folder)  # matching checksums: the bytes themselves are what is wrong
     assert f"{folder / '.metadata'} is damaged or not DCP metadata" in check(folder)
+
+
+def test_metadata_declaring_a_huge_tensor_is_refused_before_allocating(plain: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """A .metadata (checksums made to match) that declares net.0.weight as 10^6 x 10^6 floats, 3.6 TiB its shard
+    does not hold: export and a resume refuse it in one line instead of allocating it."""
+    from runner.checkpoint_io.dcp_metadata import read_metadata
+
+    folder = as_sharded(plain, tmp_path / "sharded.ckpt")
+    metadata = read_metadata(folder)
+    item = metadata.state_dict_metadata["model.net.0.weight"]
+    item.size = torch.Size([10**6, 10**6])
+    item.chunks[0].sizes = torch.Size([10**6, 10**6])
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest.write(folder)
+    line = (f"cannot load sharded checkpoint {folder}: its .metadata declares model.net.0.weight as 1000000 x 1000000 "
+            "float32 (3.6 TiB), but its shard files hold ")
+    assert export_main([str(folder), str(tmp_path / "weights.pt")]) == 1
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"error: {line}") and "refused before allocating it" in error, error
+    assert check(folder).endswith(error[len("error: "):])  # a resume: before any worker starts
 
 
 def test_a_folder_without_checksums_needs_an_explicit_trust(plain: Path, tmp_path: Path,

@@ -2,11 +2,12 @@
 
 Layout of `<name>.ckpt/` (a folder where a full checkpoint is a file, so every path, glob and `ckpt_path=last`
 works for both):
-- `.metadata`, `__<rank>_0.distcp` — DCP's files: the model's tensors (`model.<key>`) and the optimizer's
-  per-parameter tensors (`optimizer_state.<index>.<name>`), each with its global shape, so any number of
-  processes can read the parts they hold.
+- `.metadata`, `__<rank>_0.distcp` — DCP's files: the model's tensors (`model.<key>`) and each optimizer's
+  per-parameter tensors (`optimizers.<k>.<parameter name>.<name>`; folders written before names:
+  `optimizer_state.<index>.<name>`), each with its global shape, so any number of processes can read the parts
+  they hold, whatever groups the optimizer has.
 - `state.pt` — everything else of the checkpoint (step, epoch, data position, RNG, scheduler, optimizer
-  settings, callbacks), written by rank 0 with torch.save and read with `weights_only=True`.
+  settings with each group's parameters by name, callbacks), written by rank 0 with torch.save and read with `weights_only=True`.
 - `checksums.json` — a CRC-32 of each file above, written last by rank 0; checked before anything is read.
 
 A save goes to `.<name>.tmp-<token>/` and is renamed into place once every rank has written: a crash at any
@@ -16,15 +17,18 @@ point leaves the previous checkpoint whole. DCP pickles non-tensor values (and u
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from runner.checkpoint_io import manifest
+from runner.checkpoint_io import manifest, optimizer_keys
 from runner.checkpoint_io.base import CheckpointError
 from runner.checkpoint_io.dcp_metadata import METADATA_FILE, read_metadata, safe_reader
 from runner.checkpoint_io.torch_io import fsync_dir, remove_path, replace
@@ -38,21 +42,43 @@ def is_sharded(path: Any) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def split(checkpoint: dict) -> tuple[dict, dict]:
-    """(the tensors DCP writes, the rest) of a checkpoint with `model` and `optimizer` as the loop saves them."""
-    optimizer = dict(checkpoint["optimizer"])
-    tensor_state, other_state = {}, {}
-    for index, entries in optimizer.get("state", {}).items():
-        tensor_state[str(index)] = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
-        other_state[index] = {k: v for k, v in entries.items() if not isinstance(v, torch.Tensor)}
-    optimizer["state"] = other_state
-    rest = {**checkpoint, "optimizer": optimizer}
+def split(checkpoint: dict, parameter_names: list[str]) -> tuple[dict, dict]:
+    """(the tensors DCP writes, the rest) of a checkpoint with `model` and `optimizer` as the loop saves them.
+
+    Each optimizer's per-parameter tensors go under `optimizers.<k>.<parameter name>.<name>` (k: its place in a set
+    of optimizers, 0 for one), so a run with other groups or another process count finds them by name;
+    `parameter_names` are the model's in order (what an unnamed single-group optimizer numbers)."""
+    states = optimizer_keys.states_of(checkpoint["optimizer"])
+    tensors: dict = {"model": dict(checkpoint["model"]), "optimizers": {}}
+    kept = []
+    for k, (state, names) in enumerate(zip(states, optimizer_keys.index_names(states, parameter_names))):
+        named = optimizer_keys.by_name(state, names)
+        tensors["optimizers"][str(k)] = {name: {key: v for key, v in entries.items() if isinstance(v, torch.Tensor)}
+                                         for name, entries in named["state"].items()}
+        kept.append({**named, "state": {name: {key: v for key, v in entries.items()
+                                               if not isinstance(v, torch.Tensor)}
+                                        for name, entries in named["state"].items()}})
+    rest = {**checkpoint, "optimizer": optimizer_keys.with_states(checkpoint["optimizer"], kept)}
     del rest["model"]
-    return {"model": dict(checkpoint["model"]), "optimizer_state": tensor_state}, rest
+    return tensors, rest
 
 
 def join(tensors: dict, rest: dict) -> dict:
-    """The checkpoint `split` took apart, optimizer state keyed by parameter index again."""
+    """The checkpoint `split` took apart, each optimizer's state keyed by index again (in its groups' order, as
+    torch numbers it). A folder written before names (`optimizer_state.<index>.<name>`) joins as it was."""
+    states = optimizer_keys.states_of(rest["optimizer"])
+    if not any(optimizer_keys.is_named(state) for state in states):
+        return _join_indexed(tensors, rest)
+    joined = []
+    for k, state in enumerate(states):
+        stored = tensors.get("optimizers", {}).get(str(k), {})
+        entries = {name: {**dict(values), **stored.get(name, {})} for name, values in state.get("state", {}).items()}
+        entries.update({name: dict(values) for name, values in stored.items() if name not in entries})
+        joined.append(optimizer_keys.by_index({**state, "state": entries}))
+    return {**rest, "model": tensors["model"], "optimizer": optimizer_keys.with_states(rest["optimizer"], joined)}
+
+
+def _join_indexed(tensors: dict, rest: dict) -> dict:
     optimizer = dict(rest["optimizer"])
     state = {int(k): dict(v) for k, v in optimizer.get("state", {}).items()}
     for index, entries in tensors.get("optimizer_state", {}).items():
@@ -74,19 +100,25 @@ def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = N
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process writing: meant
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
-                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group,
-                 no_dist=not dist.is_initialized())
-    if rest is not None:
-        with open(tmp / STATE_FILE, "wb") as file:
-            torch.save(rest, file)
-            file.flush()
-            os.fsync(file.fileno())
-        manifest.write(tmp)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process writing: meant
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)),
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=process_group,
+                     no_dist=not dist.is_initialized())
+        if rest is not None:
+            with open(tmp / STATE_FILE, "wb") as file:
+                torch.save(rest, file)
+                file.flush()
+                os.fsync(file.fileno())
+            manifest.write(tmp)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's gathers every rank's failures
+        if rest is not None:  # every rank is past its writes (DCP gathers them before raising): free the space
+            remove_path(tmp)
+        raise CheckpointError(f"{write_reason(err, tmp.parent)}") from None
 
 
 def publish(tmp: Path, path: Path) -> None:
@@ -136,8 +168,9 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
     rest = read_rest(path)
     reader = safe_reader(path)
     metadata = reader.read_metadata()
+    check_sizes(path, metadata)  # before a tensor of the declared size is allocated
     allocate = allocate or (lambda where, size, dtype, rest: torch.empty(size, dtype=dtype))
-    tensors: dict = {"model": {}, "optimizer_state": {}}
+    tensors: dict = {"model": {}}
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             continue
@@ -156,6 +189,60 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
     return join(tensors, rest)
 
 
+def write_reason(err: BaseException, folder: Path) -> str:
+    """What a failed sharded save means, in one line: a full disk (on any rank) said as such, with the space free in
+    `folder`; otherwise the first rank's error."""
+    causes = [getattr(cause, "exception", cause) for cause in getattr(err, "failures", {}).values()] or [err]
+    for cause in causes:
+        text = " ".join(str(cause).split())
+        if (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)) or re.search(
+                "unexpected pos|file write failed|No space left", text):
+            try:
+                free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder}"
+            except OSError:
+                free = f"in {folder}"
+            return f"the disk is full or a quota was reached ({free}): free some space there or save elsewhere"
+    return _reason(causes[0]) if isinstance(causes[0], BaseException) else str(causes[0])
+
+
+def check_sizes(path: Any, metadata: Any) -> None:
+    """CheckpointError when a tensor the metadata declares is larger than the bytes the shard files hold for it:
+    reading it would first allocate its declared size (a crafted or damaged .metadata can declare terabytes)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    present: dict[str, int] = {}
+    file_sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path
+        if name not in file_sizes:
+            file = Path(path) / name
+            file_sizes[name] = file.stat().st_size if file.is_file() else 0
+        stored = max(0, min(info.length, file_sizes[name] - info.offset))
+        present[index.fqn] = present.get(index.fqn, 0) + stored
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        dims = tuple(item.size)
+        if not all(isinstance(d, int) and d >= 0 for d in dims):
+            raise CheckpointError(f"cannot load sharded checkpoint {path}: its .metadata gives {key} the shape "
+                                  f"{dims}; use an earlier checkpoint")
+        declared = math.prod(dims) * torch.empty((), dtype=item.properties.dtype).element_size()
+        if declared > present.get(key, 0):
+            shape = " x ".join(map(str, dims)) or "scalar"
+            raise CheckpointError(
+                f"cannot load sharded checkpoint {path}: its .metadata declares {key} as {shape} "
+                f"{str(item.properties.dtype).replace('torch.', '')} ({_size(declared)}), but its shard files hold "
+                f"{_size(present.get(key, 0))} of it; refused before allocating it (the metadata was damaged or "
+                "edited); use an earlier checkpoint")
+
+
+def _size(count: int) -> str:
+    if count < 1024:
+        return f"{count} bytes"
+    power = min(4, int(math.log(count, 1024)))
+    return f"{count / 1024 ** power:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[power - 1]}"
+
+
 def _reason(err: BaseException) -> str:
     """The last `SomeError: message` line of a (possibly multi-rank, traceback-laden) failure, else its first."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -172,7 +259,8 @@ def skeleton(path: Any, trust_unchecked: bool = False) -> dict:
 
     manifest.verify(path, trust_unchecked)
     metadata = read_metadata(path)
-    tensors: dict = {"model": {}, "optimizer_state": {}}
+    check_sizes(path, metadata)
+    tensors: dict = {"model": {}}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             where = metadata.planner_data[key]

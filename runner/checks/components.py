@@ -134,17 +134,7 @@ def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
     if isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay == 0:
         return [], (f"optimizer.{NO_DECAY}={value} exempts parameters from a weight decay of 0: set "
                     "optimizer.weight_decay (e.g. +optimizer.weight_decay=0.01 for sgd), or leave _no_decay_ out")
-    if _is_fsdp(cfg):
-        return [], (f"optimizer.{NO_DECAY}={value} is not available with strategy=fsdp: its checkpoints map the "
-                    "optimizer's state to parameters in the model's order, which two groups change; use strategy=ddp")
     return [str(e) for e in entries], ""
-
-
-def _is_fsdp(cfg: DictConfig) -> bool:
-    from runner.strategies import FSDPStrategy
-
-    chosen = strategy_class(cfg)
-    return bool(chosen and issubclass(chosen, FSDPStrategy))
 
 
 def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from runner.accelerators import Accelerator
 from runner.checkpoint_io import AsyncCheckpointIO, CheckpointError, CheckpointIO
-from runner.checkpoint_io import sharded
+from runner.checkpoint_io import optimizer_keys, sharded
 from runner.environments import ClusterEnvironment
 from runner.precision import Precision
 from runner.strategies.ddp import DDPStrategy, StartMethod
@@ -40,6 +40,8 @@ class FSDPStrategy(DDPStrategy):
     submodules whose activations are recomputed in the backward pass instead of kept. `sync_batchnorm`: as DDP's.
     `state_dict_type=sharded` saves a folder of every process's shards; `full` one file, as DDP does.
     """
+
+    collective_forward = True  # every forward all-gathers: evaluations run as many forwards on every process
 
     def __init__(
         self,
@@ -137,7 +139,7 @@ class FSDPStrategy(DDPStrategy):
         path = Path(path)
         token = self.broadcast(secrets.token_hex(4))
         tmp = sharded.temporary_path(path, token)
-        tensors, rest = sharded.split(checkpoint)
+        tensors, rest = sharded.split(checkpoint, self._parameter_names())
         rest = rest if self.is_global_zero else None
         if not self._async:
             self._write(tensors, rest, tmp, path, None)
@@ -171,8 +173,9 @@ class FSDPStrategy(DDPStrategy):
             failed, self._error = self._error, None
         if failed is not None:
             path, err = failed
-            raise CheckpointError(f"cannot write sharded checkpoint {path}: {type(err).__name__}: {err}; "
-                                  "the previous checkpoint there is left intact") from err
+            reason = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+            raise CheckpointError(f"cannot write sharded checkpoint {path}: {reason}; the previous checkpoint "
+                                  "there is left intact") from err
 
     def remove_checkpoint(self, path: Any) -> None:
         if self.is_global_zero:
@@ -201,26 +204,35 @@ class FSDPStrategy(DDPStrategy):
 
             def allocate(where: tuple, size: torch.Size, dtype: torch.dtype, rest: dict) -> torch.Tensor:
                 if not targets:  # state.pt is read once its checksum has been verified
-                    targets.update(zip(("model", "params"), self._targets(rest["optimizer"]["param_groups"])))
-                return _allocate(where, size, dtype, targets["model"], targets["params"])
+                    targets.update(self._targets(rest["optimizer"]))
+                return _allocate(_target(where, targets), size, dtype)
 
             return sharded.read(path, allocate, trust_unchecked=trust_unchecked)
         return self._shard_checkpoint(trust.load_file(self.checkpoint_io, path, trust_unchecked))
 
-    def _targets(self, param_groups: list) -> tuple[dict, dict]:
-        """This run's sharded model state by key, and its parameters by the checkpoint's optimizer index."""
+    def _parameter_names(self) -> list[str]:
         assert self._model is not None
-        # The optimizer is built over model.parameters(): index i of its state is the i-th parameter.
-        indices = [index for group in param_groups for index in group["params"]]
-        return self._model.state_dict(), dict(zip(indices, self._model.parameters()))
+        return [optimizer_keys.clean(name) for name, _ in self._model.named_parameters()]
+
+    def _targets(self, optimizer_state: dict) -> dict:
+        """This run's sharded model state by key, and (folders written before names) its parameters by the
+        checkpoint's optimizer index, which was then the model's order."""
+        assert self._model is not None
+        states = optimizer_keys.states_of(optimizer_state)
+        indices = [index for state in states for group in state.get("param_groups", []) for index in group["params"]]
+        return {"model": self._model.state_dict(), "indexed": dict(zip(indices, self._model.parameters()))}
 
     def _shard_checkpoint(self, checkpoint: dict) -> dict:
         """A full checkpoint's model and optimizer tensors cut to this process's shards (no communication)."""
-        model_state, params = self._targets(checkpoint["optimizer"]["param_groups"])
+        model_state = self._model.state_dict() if self._model is not None else {}
         checkpoint["model"] = {k: _slice_like(v, model_state.get(k)) for k, v in checkpoint["model"].items()}
-        state = checkpoint["optimizer"].get("state", {})
-        for index, entries in state.items():
-            state[index] = {k: _slice_like(v, params.get(index)) for k, v in entries.items()}
+        states = optimizer_keys.states_of(checkpoint["optimizer"])
+        for state, names in zip(states, optimizer_keys.index_names(states, self._parameter_names())):
+            order = [index for group in state["param_groups"] for index in group["params"]]
+            name_of = dict(zip(order, names))
+            for index, entries in state.get("state", {}).items():
+                target = model_state.get(name_of.get(int(index), ""))
+                state["state"][index] = {k: _slice_like(v, target) for k, v in entries.items()}
         return checkpoint
 
     def teardown(self) -> None:
@@ -252,13 +264,19 @@ def _gradient_sync_off(root: Any) -> Iterator[None]:
         root.set_requires_gradient_sync(True)
 
 
-def _allocate(where: tuple, size: torch.Size, dtype: torch.dtype, model_state: dict, params: dict) -> torch.Tensor:
-    """Where DCP reads the checkpoint's tensor at `where`: this process's slice when it is sharded here."""
-    target = None
+def _target(where: tuple, targets: dict) -> Any:
+    """This run's tensor that the checkpoint's tensor at `where` belongs to (None: a tensor of its own)."""
     if where[0] == "model":
-        target = model_state.get(where[1])
-    elif where[0] == "optimizer_state":
-        target = params.get(int(where[1]))
+        return targets["model"].get(where[1])
+    if where[0] == "optimizers" and len(where) == 4:  # optimizers.<k>.<parameter name>.<name>
+        return targets["model"].get(where[2])
+    if where[0] == "optimizer_state":  # written before names: the model's order
+        return targets["indexed"].get(int(where[1]))
+    return None
+
+
+def _allocate(target: Any, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Where DCP reads a checkpoint's tensor: this process's slice when `target` is sharded here alike."""
     if _is_dtensor(target) and tuple(target.shape) == tuple(size):
         return torch.empty_like(target, dtype=dtype)
     return torch.empty(size, dtype=dtype)
