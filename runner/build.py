@@ -22,7 +22,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError
-from runner.values import is_int, one_line
+from runner.values import is_int, named_optimizers, one_line
 
 
 def build_accelerator(cfg: DictConfig) -> Any:
@@ -380,6 +380,9 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
         from runner.lightning.optimizers import configure
 
         return configure(parameters)
+    parts = named_optimizers(cfg.optimizer)
+    if parts is not None:
+        return optimizer_set(parts, parameters)
     node = cfg.optimizer
     model, entries = parameters, list(node.get(NO_DECAY) or ())
     parameters = decay_groups(parameters, entries) if isinstance(parameters, torch.nn.Module) else list(parameters)
@@ -398,6 +401,36 @@ def build_optimizer(cfg: DictConfig, parameters: Any) -> Any:
 
         record_names([optimizer], model)
     return optimizer
+
+
+def optimizer_set(parts: dict[str, DictConfig], model: Any) -> Any:
+    """Several named optimizers, each over the part of the model its `_params_` names (with its own `_no_decay_`),
+    as one OptimizerSet; each parameter group carries its optimizer's name (lr/<name> in the logs)."""
+    from runner.loop.optimizers import PARAMS, OptimizerSet, assign_parts
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(["optimizer: named optimizers take their parameters from the model by name; got "
+                           f"{type(model).__name__}"])
+    taken, problems = assign_parts(model, parts)
+    if problems:
+        raise ConfigError(problems)
+    named = dict(model.named_parameters())
+    optimizers = []
+    for name, node in parts.items():
+        entries = list(node.get(NO_DECAY) or ())
+        exempt = {n for found in no_decay_matches(model, entries).values() for n in found} if entries else set()
+        groups = [{"params": [named[n] for n in taken[name] if n not in exempt], "name": name},
+                  {"params": [named[n] for n in taken[name] if n in exempt], "weight_decay": 0.0,
+                   "name": f"{name}/{NO_DECAY.strip('_')}"}]
+        groups = [group for group in groups if group["params"]]
+        extra = fused_setting(node, {t.device.type for t in _tensors(groups)})
+        settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in (NO_DECAY, PARAMS)}
+        try:
+            optimizers.append(instantiate(OmegaConf.create(settings))(groups, **extra))
+        except (TypeError, ValueError) as error:
+            raise ConfigError([f"optimizer.{name} ({node._target_}) does not accept its settings: "
+                               f"{one_line(error)}"]) from error
+    return OptimizerSet(optimizers, list(parts))
 
 
 # `optimizer._no_decay_`: the runner's own key in the optimizer group (as `_stages_` in a metric's), which the

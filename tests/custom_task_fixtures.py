@@ -63,3 +63,26 @@ class Pairs:
             return TensorDataset(x1, x2, (a == b).float())
 
         self.train_dataset, self.val_dataset = make(num_samples), make(val_samples)
+
+
+class TwoLossesTask(Task):
+    """Classification with one loss per named optimizer: `hidden` gets `weight` x the cross entropy, `classifier` the
+    cross entropy itself (with SGD, as if the hidden layers' rate were `weight` times theirs)."""
+
+    name = "two_losses"
+    losses_per_optimizer = True
+
+    def __init__(self, weight: float = 2.0) -> None:
+        self.weight = weight
+
+    def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: bool) -> dict[str, Any]:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        return {"loss": {"hidden": loss * self.weight, "classifier": loss},
+                "stats": stats_row(len(y), len(y), loss)}
+
+    def units(self, batch: Any) -> Optional[int]:
+        return len(batch[1])
+
+    def compute(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["loss"] / sums["units"]}

@@ -98,13 +98,16 @@ def test_option_composes_validates_and_builds(group: str, option: str, tmp_path:
         assert isinstance(strategy, Strategy)
         model = build_model(cfg)
         data = build_data(cfg)
-        optimizer = build_optimizer(cfg, model.parameters())
+        optimizer = build_optimizer(cfg, model)  # named optimizers take the model's parameters by name
         scheduler = build_scheduler(cfg, optimizer, total_steps=10)
         task = build_task(cfg)
         logger = build_logger(cfg, tmp_path, enabled=True)
         built = {"strategy": strategy, "model": model, "data": data, "task": task, "logger": logger,
                  "optimizer": optimizer, "scheduler": scheduler}
-        if group in built and group != "logger" and not cfg[group].get("_partial_", False):
+        if group == "optimizer" and "_target_" not in cfg.optimizer:  # several named optimizers, one each
+            for part, node in zip(optimizer.optimizers, cfg.optimizer.values()):
+                assert type(part) is get_method(node._target_)
+        elif group in built and group != "logger" and not cfg[group].get("_partial_", False):
             _assert_built_as_targeted(built[group], cfg[group])
         if group == "logger":  # each option sits under its own name, logger.<option>; none is no logger at all
             if option == "none":

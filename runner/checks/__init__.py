@@ -6,6 +6,7 @@ concern, in the order validate runs them:
   static      plain values in range and of their type, every `_target_` importable
   signatures  each component's settings against its constructor's signature
   components  devices, backend, precision, a trainable model, compile, the task's settings
+  optimizers  several named optimizers: each trainable parameter in exactly one, a strategy that runs them
   schedule    the data's contract and first batches, the optimizer and the scheduler over the run's steps
   callbacks   callbacks, metrics (and top_k), loggers
   fsdp        strategy=fsdp's settings against the model
@@ -28,7 +29,7 @@ from runner.config import CONFIG_DIR, ConfigError
 def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes."""
     # Imported here: the command line reads runner.checks.keys at start-up, before torch is needed.
-    from runner.checks import callbacks, checkpoint, components, fsdp, schedule, signatures
+    from runner.checks import callbacks, checkpoint, components, fsdp, optimizers, schedule, signatures
 
     problems = check_keys(cfg, CONFIG_DIR)
     if problems:  # the checks below read the groups
@@ -42,7 +43,7 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
         raise ConfigError(problems)
     # Each builds what it checks, as the workers will; every problem is reported, in this order.
     for check in (components.check_components, components.check_half_optimizer, components.check_backend,
-                  components.check_trainable, schedule.check_data_and_schedule, components.check_task,
+                  components.check_trainable, optimizers.check_optimizer_parts, schedule.check_data_and_schedule, components.check_task,
                   callbacks.check_top_k, callbacks.check_metrics, callbacks.check_callbacks, callbacks.check_loggers,
                   components.check_compile, fsdp.check_fsdp):
         problems += check(cfg)

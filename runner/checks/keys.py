@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.schemas import RunnerConfig, TrainerConfig
-from runner.values import show, suggest
+from runner.values import named_optimizers, show, suggest
 
 # Groups every run needs: `~group` or `group=null` would remove one.
 REQUIRED_GROUPS = ("strategy", "accelerator", "precision", "checkpoint_io", "cluster", "model", "data",
@@ -39,7 +39,8 @@ def _check_groups_set(cfg: DictConfig, groups_dir: str) -> Iterator[str]:
             hint = "; scheduler=constant keeps the learning rate constant" if group == "scheduler" else ""
             yield (f"{group} is not set ({group}=null and ~{group} remove the group): choose {group}=<option> "
                    f"({', '.join(group_options(group, groups_dir))}){hint}")
-        elif not (OmegaConf.is_dict(node) and "_target_" in node):
+        elif not (OmegaConf.is_dict(node) and "_target_" in node) and not (group == "optimizer"
+                                                                         and named_optimizers(node)):
             yield (f"{group}={show(node)} has no _target_: choose {group}=<option> "
                    f"({', '.join(group_options(group, groups_dir))})")
 

@@ -133,14 +133,19 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
     when they are not known here): its arithmetic runs at its steps, and the rates it gives must train."""
     from runner.schedulers import learning_rates
 
-    try:
-        optimizer = probe_optimizer(cfg.optimizer, [torch.zeros(1, requires_grad=True)])
-    except _REFUSALS as error:
-        yield (f"optimizer ({cfg.optimizer._target_}) does not accept its settings "
-               f"({_settings('optimizer', cfg.optimizer)}): {one_line(error)}")
+    from runner.loop.optimizers import OptimizerSet
+    from runner.values import optimizer_nodes
+
+    probes = []
+    for key, node in optimizer_nodes(cfg.optimizer).items():  # one, or each named optimizer
+        try:
+            probes.append(probe_optimizer(node, [torch.zeros(1, requires_grad=True)]))
+        except _REFUSALS as error:
+            yield f"{key} ({node._target_}) does not accept its settings ({_settings(key, node)}): {one_line(error)}"
+            return
+    if None in probes:
         return
-    if optimizer is None:
-        return
+    optimizer = probes[0] if len(probes) == 1 and "_target_" in cfg.optimizer else OptimizerSet(probes)
     steps = list(_check_scheduler_steps(cfg))
     if steps:
         yield from steps

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from runner.build import STRATEGY_COMPONENTS, logger_specs
-from runner.values import show, suggest
+from runner.values import optimizer_nodes, show, suggest
 
 _EMPTY = inspect.Parameter.empty
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -196,7 +196,8 @@ def check_signatures(cfg: DictConfig) -> Iterator[str]:
     yield from _ddp_settings_under_fsdp(cfg)
     for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
         yield from check_settings(group, cfg[group])
-    yield from check_settings("optimizer", cfg.optimizer, leading=1)  # called with the model's parameters
+    for key, node in optimizer_nodes(cfg.optimizer).items():  # one, or several named (optimizer.<name>)
+        yield from check_settings(key, node, leading=1)  # called with the model's parameters
     yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
     for name, spec in logger_specs(cfg).items():
         yield from check_settings(f"logger.{name}", spec)

@@ -15,10 +15,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from runner.config import ConfigError
-from runner.loop.optimizers import optimizers_of
+from runner.loop.optimizers import average_gradients, optimizers_of
 from runner.loop.step import TrainStep
 
 
@@ -76,20 +75,6 @@ class ManualOptimizer:
 
     def __repr__(self) -> str:
         return f"ManualOptimizer({type(self.optimizer).__name__})"
-
-
-def average_gradients(strategy: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The mean over processes of the gradients of `optimizer`'s parameters, in one all-reduce (every process holds
-    gradients for the same parameters: the same training_step ran on each)."""
-    if strategy.world_size == 1:
-        return
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return
-    for dtype in dict.fromkeys(g.dtype for g in grads):
-        same = [g for g in grads if g.dtype == dtype]
-        mean = strategy.all_reduce(_flatten_dense_tensors(same), reduce_op="mean")
-        torch._foreach_copy_(same, list(_unflatten_dense_tensors(mean, same)))
 
 
 class ManualStep(TrainStep):

@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 
 from runner.errors import NonFiniteLossError  # noqa: F401 - defined there: is_user_error knows it without the loop
-from runner.tasks.base import StepWeights
+from runner.loop.optimizers import average_gradients, optimizers_of
+from runner.tasks.base import BatchError, StepWeights
 
 
 class NonFiniteGuard:
@@ -73,6 +74,8 @@ class TrainStep:
         # The total 2-norm of the last clipped step's gradients before clipping (a device tensor: no host sync).
         self.grad_norm: Optional[torch.Tensor] = None
         self.outputs: list = []  # the last step's micro-batch outputs, kept only for on_train_batch_end
+        # A task with one loss per named optimizer: [(name, its parameters)], each loss back-propagated into its own.
+        self.parts = loss_parts(task.task, optimizer)
 
     def __call__(self, window: list, loop: Any = None) -> None:
         """Forward and backward each micro-batch of one optimizer step (gradients synced on the last), then step.
@@ -86,11 +89,16 @@ class TrainStep:
         keep = hooks is not None and hooks.has("on_train_batch_end")
         self.outputs = []
         for index, batch in enumerate(window):
-            with self.strategy.backward_sync(self.wrapped, enabled=index == last):
+            # Per-optimizer losses back-propagate more than once per forward: gradients are averaged after the window.
+            with self.strategy.backward_sync(self.wrapped, enabled=index == last and self.parts is None):
                 out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch),
                                                   self.metrics.wants("train"))
                 loss = self.task.batch_loss(out)
-                self.precision.backward(loss * scale())
+                if self.parts is None and isinstance(loss, dict):
+                    raise BatchError(f"task ({type(self.task.task).__name__}) returned one loss per name "
+                                     f"({', '.join(map(str, loss))}): set losses_per_optimizer = True on the task "
+                                     "class and name the optimizers in the config (optimizer.<name>._params_)")
+                loss = self._backward(loss, scale())
             if not self.guard.check(loss):
                 self.accumulate(out)
                 self.metrics.update("train", out)
@@ -98,6 +106,9 @@ class TrainStep:
             if keep:
                 self.outputs.append(out)
         if not self.guard.skip_step():
+            if self.parts is not None:
+                for optimizer in optimizers_of(self.optimizer):
+                    average_gradients(self.strategy, optimizer)
             self.precision.unscale_gradients(self.optimizer)
             self.weights.finish(self.task.parameters(), stats)
             if hooks is not None:
@@ -108,6 +119,21 @@ class TrainStep:
                 self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    def _backward(self, loss: Any, scale: Any) -> torch.Tensor:
+        """Back-propagate the micro-batch's loss; per-optimizer losses each into their optimizer's parameters only.
+        Returns the total loss (what the guard checks)."""
+        if self.parts is None:
+            self.precision.backward(loss * scale)
+            return loss
+        names = [name for name, _ in self.parts]
+        if not isinstance(loss, dict) or set(loss) != set(names):
+            got = ", ".join(map(str, loss)) if isinstance(loss, dict) else "one loss"
+            raise BatchError(f"task ({type(self.task.task).__name__}) sets losses_per_optimizer: its loss must be a "
+                             f"dict with one entry per optimizer ({', '.join(names)}); it gave {got}")
+        for index, (name, parameters) in enumerate(self.parts):
+            self.precision.backward(loss[name] * scale, inputs=parameters, retain_graph=index < len(names) - 1)
+        return sum(loss.values())
 
     def buffer(self) -> torch.Tensor:
         """The task's statistics summed since the last log step (made at the first use, once the task knows
@@ -120,3 +146,16 @@ class TrainStep:
     def accumulate(self, out: dict) -> None:
         """Add a micro-batch's sums on the device: no host sync until the next log step."""
         self.buffer().add_(out["stats"].sum(dim=0))
+
+
+def loss_parts(task: Any, optimizer: Any) -> Optional[list]:
+    """[(optimizer name, its trainable parameters)] for a task with `losses_per_optimizer` over named optimizers."""
+    from runner.loop.optimizers import OptimizerSet
+
+    if not getattr(task, "losses_per_optimizer", False):
+        return None
+    if not isinstance(optimizer, OptimizerSet):
+        raise BatchError(f"task ({type(task).__name__}) gives one loss per optimizer (losses_per_optimizer): name the "
+                         "optimizers in the config, each over its part (optimizer.<name>._params_)")
+    return [(name, [p for group in part.param_groups for p in group["params"] if p.requires_grad])
+            for name, part in zip(optimizer.names, optimizer.optimizers)]

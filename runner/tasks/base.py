@@ -129,6 +129,9 @@ class Task:
     fixed_units: bool = True
     extra_stats: tuple[str, ...] = ()
     takes_pairs: bool = False  # batches may be (inputs, targets) pairs, the model getting the inputs
+    # True: forward's "loss" is {optimizer name: summed loss}, one per named optimizer (optimizer.<name>._params_),
+    # each back-propagated into its optimizer's parameters only (the parts of a GAN, an actor and a critic).
+    losses_per_optimizer: bool = False
 
     @property
     def stat_names(self) -> tuple[str, ...]:
@@ -182,9 +185,12 @@ class TaskModule(nn.Module):
         return self.precision.convert_output(preds).detach()
 
     @staticmethod
-    def batch_loss(out: dict[str, Any]) -> torch.Tensor:
-        """The summed loss to back-propagate, also when DataParallel gathered one sum per device."""
+    def batch_loss(out: dict[str, Any]) -> Any:
+        """The summed loss to back-propagate, also when DataParallel gathered one sum per device; a dict of them
+        for a task with one loss per optimizer."""
         loss = out["loss"]
+        if isinstance(loss, Mapping):
+            return {name: value if value.dim() == 0 else value.sum() for name, value in loss.items()}
         return loss if loss.dim() == 0 else loss.sum()
 
 

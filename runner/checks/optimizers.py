@@ -1,0 +1,40 @@
+"""Several named optimizers (`optimizer.<name>._params_`): each parameter of the model, built on the meta device, in
+exactly one of them, each `_params_` and `_no_decay_` entry taking a parameter, and a strategy that can run them."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from omegaconf import DictConfig
+
+from runner.build import NO_DECAY, build_model, no_decay_matches, python_rng_kept
+from runner.checks.signatures import is_fsdp
+from runner.loop.optimizers import assign_parts
+from runner.values import named_optimizers
+
+
+def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
+    parts = named_optimizers(cfg.get("optimizer"))
+    if parts is None or cfg.get("stage", "fit") != "fit":
+        return
+    if is_fsdp(cfg):
+        yield (f"optimizer names {len(parts)} optimizers ({', '.join(parts)}): strategy=fsdp keys one optimizer's "
+               "state; use strategy=ddp, or one optimizer with parameter groups (optimizer._no_decay_)")
+        return
+    try:
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            model = build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+        return
+    if not isinstance(model, torch.nn.Module):
+        return
+    taken, problems = assign_parts(model, parts)
+    yield from problems
+    for name, node in parts.items():
+        entries = [str(e) for e in node.get(NO_DECAY) or ()]
+        mine = set(taken.get(name, ()))
+        for entry, found in no_decay_matches(model, entries).items():
+            if not mine.intersection(found):
+                yield (f"optimizer.{name}.{NO_DECAY}: {entry} matches none of the parameters optimizer.{name} trains "
+                       f"({', '.join(sorted(mine)[:4]) or 'none'})")
