@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner import heartbeat
 from runner import build
 from runner import stages
+from runner.checkpoint_io.model_record import record_model
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.environments import SLURMEnvironment
 from runner.lightning import TrainerView, is_lightning_config
@@ -159,6 +160,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     with precision.module_init_context():
         model = build.build_model(cfg)
     setup_module(model, view)  # a LightningModule: its trainer view, setup(stage), configure_model()
+    if strategy.is_global_zero:
+        record_model(model, run_dir)  # model.json: what runner.export --format hf / lightning reads, as data
     task = TaskModule(precision.convert_module(model), build.build_task(cfg), precision)
     strategy.module_to_device(task)
     compile_arguments = build.compile_arguments(cfg)

@@ -133,7 +133,9 @@ def test_a_config_given_as_data_exports_without_a_record(tmp_path: Path) -> None
     (conf / "gpt2_config.yaml").write_text(re.sub(r"^model:\n(  .*\n)+", given, preset, flags=re.M))
     cfg = runner.compose([*RUN, "experiment=gpt2_config", *LM_DATA], config_dir=str(tmp_path / "conf"))
     runner.fit(cfg, run_dir=tmp_path / "run")
-    assert not (tmp_path / "run" / "model.json").exists()
+    record = json.loads((tmp_path / "run" / "model.json").read_text())  # written by the run, at its start
+    assert record["kind"] == "transformers" and record["hf_config"]["n_embd"] == 16
+    (tmp_path / "run" / "model.json").unlink()  # the config alone must be enough here
     assert export_main([str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf"]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert (loaded.config.n_embd, loaded.config.n_layer) == (16, 1)
