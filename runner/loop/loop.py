@@ -21,6 +21,7 @@ from runner.config import ConfigError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
+from runner.loop.even import even_batches
 from runner.loop.progress import announce, fmt, loader_length, make_console, too_few_batches
 from runner.loop.schedule import Progress, make_schedule
 from runner.loop.step import TrainStep
@@ -164,14 +165,18 @@ class Loop:
         if validating:
             self.callbacks.call("on_validation_start", self)
         batch_end = self.callbacks.methods("on_validation_batch_end") if validating else ()
-        vote = BatchVote(self.strategy, self.stop_vote.requested, min(limit, loader_length(loader)))
+        count = min(limit, loader_length(loader))
+        vote = BatchVote(self.strategy, self.stop_vote.requested, count)
         signalled, done = 0, 0
         with torch.no_grad():
-            for index, batch in enumerate(self.console.batches(loader, limit, prefix)):
-                signalled = index < limit and vote(index)  # every process stops at the same batch
-                if index >= limit or signalled:
+            batches = even_batches(self.strategy, self.console.batches(loader, limit, prefix), count)
+            for index, (batch, real) in enumerate(batches):  # `count` batches, then any padding
+                signalled = vote(index)  # every process stops at the same batch
+                if signalled:
                     break
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
+                if not real:  # a padding forward, for the other processes' collectives: it counts for nothing
+                    continue
                 sums += out["stats"].sum(dim=0)
                 self.metrics.update("val", out)
                 for hook in batch_end:
