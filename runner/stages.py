@@ -7,14 +7,16 @@ import logging
 import math
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from runner.checkpoint_io import TorchCheckpointIO
 from runner.config import ConfigError
-from runner.data import ready, val_loader
+from runner.data import close_loaders, ready, val_loader
+from runner.loop.progress import loader_length
+from runner.loop.stop import BatchVote
 
 log = logging.getLogger("runner")
 STAGES = ("fit", "validate", "test", "predict")
@@ -136,10 +138,25 @@ def _refuse_no_validation(t: Any) -> None:
 
 def predict(loop: Any, data: Any) -> dict:
     """`predictions.pt` in the run folder: {"predictions": one entry per sample, in the data set's order}
-    (a tensor when every sample's prediction has one shape, else a list), loadable with weights_only=True."""
+    (a tensor when every sample's prediction has one shape, else a list), loadable with weights_only=True.
+
+    A stop signal ends the pass at a batch every process reaches (as a test's): nothing is written, since part of
+    the predictions would read as all of them, and the job exits as stopped."""
     loader, limit = _loader(loop, data, "predict", "predict"), _dev_batches(loop)
-    predictions = loop.predict(loader if limit == math.inf else itertools.islice(loader, int(limit)))
+    vote = BatchVote(loop.strategy, loop.stop_vote.requested, min(limit, loader_length(loader)))
+    try:
+        predictions = loop.predict(_voted(loader if limit == math.inf else itertools.islice(loader, int(limit)),
+                                          vote))
+    finally:
+        close_loaders(loader)  # its workers end now, not in a join at exit
+    signalled = vote.final()
     path = Path(loop.run_dir) / "predictions.pt"
+    if signalled:
+        log.warning("predict stopped by %s after %d predictions on this process; predictions.pt is not written",
+                    signal.Signals(signalled).name, len(predictions))
+        result = {"step": loop.progress.step, "stop_signal": signalled, "stopped_in": "stage=predict"}
+        loop.write_result(result)
+        return result
     if loop.strategy.is_global_zero:
         same = len({tuple(p.shape) for p in predictions}) == 1
         stacked = torch.stack(predictions) if same else predictions
@@ -149,6 +166,14 @@ def predict(loop: Any, data: Any) -> dict:
     result = {"step": loop.progress.step, "predictions": str(path), "num_predictions": len(predictions)}
     loop.write_result(result)
     return result
+
+
+def _voted(batches: Iterable[Any], vote: Any) -> Iterator[Any]:
+    """`batches` until the processes agree on a stop (asked before each batch, as an evaluation asks)."""
+    for index, batch in enumerate(batches):
+        if vote(index):
+            return
+        yield batch
 
 
 RUN: dict[str, Callable[[Any, Any], dict]] = {

@@ -1,14 +1,19 @@
 """User code that fails mid-run (a sample, a loader worker, a callback, a data hook under DDP) ends the run in one
-line naming what failed, exit 1, its traceback in the run's log file. Real processes, real signals."""
+line naming what failed, exit 1, its traceback in the run's log file; a stop signal during stage=predict stops at a
+batch and writes no partial predictions. Real processes, real signals."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from test_reliability import DDP2, TINY, start
+from test_reliability import DDP2, TINY, start, wait_for
 
 BAD_SAMPLE = ("data._target_=faulty_user_code.BadSample",)
 
@@ -58,3 +63,28 @@ def test_prepare_data_that_raises_under_ddp_is_said_once(tmp_path: Path) -> None
     stderr = _fails_in_one_line(tmp_path / "run", (*DDP2, "data._target_=faulty_more.Hooks", "+data.what=raise"),
                                 tmp_path)
     assert stderr.count("raised ValueError: injected failure in prepare_data") == 1, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [(), DDP2], ids=["1-process", "ddp-2"])
+def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictions(tmp_path: Path,
+                                                                                   processes: tuple) -> None:
+    """predict ran on to its last batch and wrote predictions.pt as if complete (1 s a batch: a 16 s pass)."""
+    slow = ("model._target_=faulty_more.SlowEval", "+model.delay=1.0", "data.test_samples=256", "data.val_samples=16")
+    trained = tmp_path / "trained"
+    assert start(trained, *TINY, *slow, "trainer.max_steps=2", cwd=tmp_path).wait(timeout=120) == 0
+    run_dir = tmp_path / "predict"
+    job = start(run_dir, *processes, *TINY, *slow, "stage=predict",
+                f"trainer.ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path)
+    log = run_dir / "runner.log"
+    assert wait_for(lambda: log.exists() and "stage=predict with the weights" in log.read_text(), 90)
+    time.sleep(2)
+    started = time.monotonic()
+    os.kill(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert time.monotonic() - started < 8, stderr  # a batch or two, not the rest of the pass
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM during stage=predict before its end: it wrote no metrics; run it again" in stderr
+    assert not (run_dir / "predictions.pt").exists()
+    assert json.loads((run_dir / "metrics.json").read_text())["stopped_in"] == "stage=predict"
+    assert "Traceback" not in stderr
