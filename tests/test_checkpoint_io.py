@@ -236,6 +236,19 @@ def test_corrupt_file(tmp_path, damage):
     assert message.split(": ", 1)[1].split(";")[0].strip()  # a reason is given
 
 
+def test_random_bytes_are_named_damaged_whatever_they_are(tmp_path):
+    """200 files of random bytes: the unpickler fails in many ways (a stack underflow, a memo past its end, a name
+    that is no UTF-8), each a damaged file, never a checkpoint holding objects that are not data."""
+    path = tmp_path / "last.ckpt"
+    for seed in range(200):
+        generator = torch.Generator().manual_seed(seed)
+        path.write_bytes(torch.randint(0, 256, (512,), dtype=torch.uint8, generator=generator).numpy().tobytes())
+        with pytest.raises(CheckpointError) as info:
+            TorchCheckpointIO().load_checkpoint(path)
+        assert str(info.value).endswith("the file is damaged, truncated or not a checkpoint; use an earlier "
+                                        "checkpoint"), (seed, str(info.value))
+
+
 def test_custom_class_is_refused(tmp_path):
     path = tmp_path / "last.ckpt"
     TorchCheckpointIO().save_checkpoint({"model": {}, "extra": NotAllowed()}, path)

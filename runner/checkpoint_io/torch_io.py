@@ -215,7 +215,8 @@ def _damaged(err: BaseException) -> bool:
     Nothing is imported to decide: a module the file names could run code. Any other global was saved on purpose.
     """
     text = _one_line(err)
-    if isinstance(err, (OSError, EOFError, KeyError)) or re.search(r"PytorchStreamReader|ZIP archive|central directory|"
+    # A stack underflow, a memo look-up past its end or a name that is no UTF-8: the unpickler read bytes at random.
+    if isinstance(err, (OSError, EOFError, KeyError, IndexError, UnicodeDecodeError)) or re.search(r"PytorchStreamReader|ZIP archive|central directory|"
                                                          r"Unsupported operand|invalid load key|truncated", text):
         return True
     unsupported = re.search(r"Unsupported global: GLOBAL (\S+)", text)
