@@ -419,3 +419,63 @@ def test_metrics_json_is_written_only_once_the_async_checkpoint_of_its_step_is_o
     metrics = runner.fit(make_cfg("checkpoint_io=async", "trainer.max_steps=6", "trainer.ckpt_every_n_steps=2"),
                          run_dir=tmp_path)
     assert metrics["step"] == 6 and on_disk_at_write == [6]
+
+
+# -- sharded folders: optimizer state by parameter name ------------------------------------------------------
+
+def _several_optimizers() -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """An MLP trained by two optimizers, each over part of it: AdamW over the first layer (its bias in a group
+    without decay), SGD with momentum over the rest; one step each."""
+    from runner.checkpoint_io.optimizer_keys import record_names
+    from runner.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(in_features=4, hidden=8, depth=2, num_classes=2)
+    first = torch.optim.AdamW([{"params": [model.net[0].weight]},
+                               {"params": [model.net[0].bias], "weight_decay": 0.0}], lr=0.1)
+    rest = torch.optim.SGD([p for name, p in model.named_parameters() if not name.startswith("net.0.")], lr=0.1,
+                           momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    first.step()
+    rest.step()
+    record_names([first, rest], model)
+    return model, [first, rest]
+
+
+def _sharded_round_trip(checkpoint: dict, folder) -> dict:
+    from runner.checkpoint_io import sharded
+
+    tensors, rest = sharded.split(checkpoint, [name for name in checkpoint["model"]])
+    tmp = sharded.temporary_path(folder, "test")
+    sharded.write(tensors, rest, tmp)
+    sharded.publish(tmp, folder)
+    return sharded.read(folder)
+
+
+def test_several_optimizers_are_stored_by_parameter_name_and_read_back_as_saved(tmp_path):
+    from runner.checkpoint_io.dcp_metadata import read_metadata
+
+    model, optimizers = _several_optimizers()
+    states = [optimizer.state_dict() for optimizer in optimizers]
+    checkpoint = {"model": model.state_dict(), "step": 1,
+                  "optimizer": {"state": {}, "param_groups": [g for s in states for g in s["param_groups"]],
+                                "optimizers": states}}
+    loaded = _sharded_round_trip(checkpoint, tmp_path / "last.ckpt")
+    keys = {".".join(where) for where in read_metadata(tmp_path / "last.ckpt").planner_data.values()}
+    assert {"optimizers.0.net.0.bias.exp_avg", "optimizers.1.net.2.weight.momentum_buffer"} <= keys
+    for saved, read in zip(states, loaded["optimizer"]["optimizers"]):
+        assert read["param_groups"] == saved["param_groups"] and read["state"].keys() == saved["state"].keys()
+        for index, entries in saved["state"].items():
+            for name, value in entries.items():
+                assert torch.equal(read["state"][index][name], value), (index, name)
+    for optimizer, state in zip(optimizers, loaded["optimizer"]["optimizers"]):
+        optimizer.load_state_dict(state)  # what a resume does with each
+
+
+def test_several_optimizers_without_names_are_refused_in_one_line(tmp_path):
+    model, optimizers = _several_optimizers()
+    states = [torch.optim.SGD(o.param_groups[0]["params"], lr=0.1).state_dict() for o in optimizers]  # unnamed
+    with pytest.raises(CheckpointError, match=r"^cannot tell which parameter each optimizer state belongs to: 2 "
+                                              r"optimizer\(s\)"):
+        _sharded_round_trip({"model": model.state_dict(), "step": 1, "optimizer": {"optimizers": states}},
+                            tmp_path / "last.ckpt")
