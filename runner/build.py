@@ -430,6 +430,9 @@ def optimizer_set(parts: dict[str, DictConfig], model: Any) -> Any:
         except (TypeError, ValueError) as error:
             raise ConfigError([f"optimizer.{name} ({node._target_}) does not accept its settings: "
                                f"{one_line(error)}"]) from error
+    from runner.checkpoint_io.optimizer_keys import record_names
+
+    record_names(optimizers, model)  # each optimizer's state keyed by parameter name in sharded checkpoints
     return OptimizerSet(optimizers, list(parts))
 
 

@@ -1,6 +1,7 @@
 """Several named optimizers, each over a part of the model (`optimizer=parts`, `optimizer.<name>._params_`): every
 trainable parameter in exactly one (refused before launch otherwise), each optimizer's state in the checkpoint, an
-exact resume, 1 process x 16 equal to 2 x 8; a task with one loss per optimizer back-propagates each into its part."""
+exact resume, 1 process x 16 equal to 2 x 8 (ddp) and to fsdp's shards; a task with one loss per optimizer
+back-propagates each into its part."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def test_each_part_trains_with_its_own_optimizer_and_resumes_exactly(tmp_path: P
     (("+optimizer.classifier.momentun=0.9",), r"optimizer.classifier.momentun is not a setting of optimizer.classifier "
                                               r"\(torch.optim.SGD\) \(did you mean momentum\?\)"),
     (("optimizer.classifier.lr=-1",), r"optimizer.classifier \(torch.optim.SGD\) does not accept its settings"),
-    (("strategy=fsdp",), r"optimizer names 2 optimizers \(hidden, classifier\): strategy=fsdp"),
-], ids=["twice", "missing", "no-match", "unknown-setting", "bad-lr", "fsdp"])
+    (("strategy=fsdp", *TWO_LOSSES),
+     r"task \(custom_task_fixtures.TwoLossesTask\) gives one loss per optimizer, which strategy=fsdp does not run"),
+], ids=["twice", "missing", "no-match", "unknown-setting", "bad-lr", "fsdp-losses-per-optimizer"])
 def test_parts_are_checked_before_launch(overrides: tuple, line: str) -> None:
     from runner.checks import validate
 
@@ -89,3 +91,15 @@ def test_parts_and_losses_per_optimizer_on_one_and_two_processes(tmp_path: Path)
         _fit(tmp_path, f"{name}1", "data.batch_size=16", *extra)
         _fit(tmp_path, f"{name}2", *ddp, *extra)
         _same_weights(tmp_path / f"{name}1", tmp_path / f"{name}2", atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("optimizer_parts_ddp")
+def test_parts_under_fsdp_resume_on_one_process(tmp_path: Path) -> None:
+    """3 steps on 2 FSDP processes x 8 (a sharded folder keying each optimizer's state by parameter name), 3 more on
+    1 process x 16 from it: the weights of 6 steps on 1 process."""
+    _fit(tmp_path, "straight", "data.batch_size=16")
+    _fit(tmp_path, "sharded", "strategy=fsdp", "trainer.devices=2", "data.batch_size=8", "trainer.max_steps=3")
+    last = tmp_path / "sharded" / "checkpoints" / "last.ckpt"
+    _fit(tmp_path, "resumed", "data.batch_size=16", f"trainer.ckpt_path={last}")
+    _same_weights(tmp_path / "straight", tmp_path / "resumed", atol=2e-6)

@@ -18,9 +18,9 @@ def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
     parts = named_optimizers(cfg.get("optimizer"))
     if parts is None or cfg.get("stage", "fit") != "fit":
         return
-    if is_fsdp(cfg):
-        yield (f"optimizer names {len(parts)} optimizers ({', '.join(parts)}): strategy=fsdp keys one optimizer's "
-               "state; use strategy=ddp, or one optimizer with parameter groups (optimizer._no_decay_)")
+    if is_fsdp(cfg) and _losses_per_optimizer(cfg):
+        yield (f"task ({cfg.task._target_}) gives one loss per optimizer, which strategy=fsdp does not run (its "
+               "gradients are reduced in each backward pass); use strategy=ddp")
         return
     try:
         with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
@@ -38,3 +38,12 @@ def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
             if not mine.intersection(found):
                 yield (f"optimizer.{name}.{NO_DECAY}: {entry} matches none of the parameters optimizer.{name} trains "
                        f"({', '.join(sorted(mine)[:4]) or 'none'})")
+
+
+def _losses_per_optimizer(cfg: DictConfig) -> bool:
+    from hydra.utils import get_method
+
+    try:
+        return bool(getattr(get_method(str(cfg.task._target_)), "losses_per_optimizer", False))
+    except Exception:  # noqa: BLE001 - a target that does not import is reported by the static checks
+        return False
