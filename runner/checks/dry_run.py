@@ -97,7 +97,7 @@ def _seed_dynamo_disable() -> list:
         return []
     cell = inner.co_freevars.index("fn")
     seeded = []
-    for wrapper in gc.get_objects():
+    for wrapper in gc.get_referrers(inner):  # the wrappers refer to their code; a scan in C, not over every object
         if type(wrapper) is types.FunctionType and wrapper.__code__ is inner:
             fn = wrapper.__closure__[cell].cell_contents
             if callable(fn) and hasattr(fn, "__dict__") and "__dynamo_disable" not in fn.__dict__:
