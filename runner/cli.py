@@ -11,15 +11,17 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, NoReturn, Optional
 
 import hydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
-from runner.config import CONFIG_DIR, CONFIG_MODULE, ConfigError, register_configs, register_resolvers
+from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, forget_said_lines, register_configs,
+                           register_resolvers)
+from runner.hydra_hooks import composed_once, linked_log_in_one_line, wrong_types_in_one_line
 
 register_resolvers()
 register_configs()
@@ -78,14 +80,17 @@ def _prepare_external_launch(argv: list[str]) -> list[str]:
 _CHECK_STAGES = ("stage=check", "stage=check_data")
 
 
+def _multirun(argv: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in argv)
+
+
 def _prepare_check(argv: list[str]) -> list[str]:
     """`stage=check` runs one job whatever the experiment says (lr_sweep's hydra.mode=MULTIRUN is checked as one
     config, not launched), and without -m writes no run folder: its Hydra folder is the system's temporary one (it
     exists already), with no .hydra/ and logging to the console only. Settings the user typed are kept."""
-    if not any(a.lstrip("+") in _CHECK_STAGES for a in argv) or any(
-            a in ("--help", "-h", "--info", "--cfg", "-c") for a in argv):
+    if not _checking(argv) or any(a in ("--help", "-h", "--info", "--cfg", "-c") for a in argv):
         return argv
-    if any(a in ("-m", "--multirun") for a in argv):
+    if _multirun(argv):
         return argv  # Hydra's sweep: each job is checked in this process (runner.sweep writes the summary)
     typed = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     extra = ["hydra.mode=RUN"]
@@ -118,59 +123,6 @@ def _quote_numeric_choices(argv: list[str]) -> list[str]:
 
 def _report(error: BaseException) -> None:
     print(f"error: {error}", file=sys.stderr)
-
-
-# What a typed key takes, by the OmegaConf node that holds it (the schemas' int, float, bool and str fields).
-_TAKES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
-          "StringNode": "a string"}
-
-
-def wrong_type(override: Any, error: Any) -> str:
-    """`trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. trainer.max_steps=-1)`:
-    the key, the value as typed and the type, for OmegaConf's ValidationError on merging an override."""
-    key = error.full_key or override.key_or_group
-    typed = (override.input_line or "").partition("=")[2]
-    node = error.child_node
-    takes = _TAKES.get(type(node).__name__)
-    if takes is None:  # an enum, a list, a dict: OmegaConf's own first line says it
-        return f"{key}={typed}: {str(error.msg).splitlines()[0]}"
-    value = override.value()
-    if isinstance(value, float) and value.is_integer() and takes == "an integer":
-        example = int(value)  # 1e1 is a float to Hydra's parser
-    else:
-        example = node._value()  # the value the config holds without this override
-    optional = " or null" if node._is_optional() else ""
-    hint = f", e.g. {key}={example}" if example is not None and not OmegaConf.is_config(example) else ""
-    return f"{key}={typed} is not {takes} ({key} takes {takes}{optional}{hint})"
-
-
-@contextlib.contextmanager
-def _wrong_types_in_one_line() -> Iterator[None]:
-    """A value of the wrong type for a typed key (`trainer.max_steps=abc`, also in a sweep's `abc,5`) is one line,
-    exit 1, where Hydra prints six of its own: OmegaConf's ValidationError while Hydra merges that override,
-    caught at Hydra's merge of the overrides (a sweep's jobs are composed there too, before any job runs). Only
-    while the command line runs: `runner.compose` keeps raising Hydra's exception to its caller."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import ValidationError
-
-    merge = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
-
-    def one_by_one(overrides: list, cfg: DictConfig) -> None:
-        for override in overrides:  # Hydra merges them in order, one at a time, as here
-            try:
-                merge.__func__([override], cfg)
-            except ConfigCompositionException as error:
-                if not isinstance(error.__cause__, ValidationError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
-                    raise
-                print(f"error: {wrong_type(override, error.__cause__)}", file=sys.stderr)
-                raise SystemExit(1) from None
-
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)
-    try:
-        yield
-    finally:
-        ConfigLoaderImpl._apply_overrides_to_config = merge
 
 
 class RunFolders(Callback):
@@ -257,8 +209,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
     from runner import job, sweep
     from runner.errors import stop_message
-    from runner.logs import chosen_job_logging
+    from runner.config import said_lines
+    from runner.logs import chosen_job_logging, write_to_log_files
 
+    write_to_log_files(said_lines())  # said while composing, before this job's runner.log was open
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -318,6 +272,7 @@ def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
     failed_jobs.clear()  # this command's sweep only (a program may call main() more than once)
+    forget_said_lines()  # and its own lines about the user's config files
     if run_as_python_m() and wants_bash_install(sys.argv[1:]):
         print(PYTHON_M_BASH)  # Hydra's own completes `runner ...`, not `python -m runner ...`
         return
@@ -330,8 +285,9 @@ def main() -> None:
         _report(ConfigError(problems))
         sys.exit(1)
     sys.argv[1:] = _prepare_check(_prepare_external_launch(_quote_numeric_choices(sys.argv[1:])))
+    composing = composed_once() if not _multirun(sys.argv[1:]) else contextlib.nullcontext()
     try:
-        with _wrong_types_in_one_line():
+        with wrong_types_in_one_line(), linked_log_in_one_line(), composing:
             hydra_main()
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
         print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)
@@ -340,6 +296,41 @@ def main() -> None:
         from runner import run_lock
 
         run_lock.release_all()  # the run folder this process took before Hydra wrote in it (in-process callers)
+    code = 0
     if failed_jobs:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
+    if _checking(sys.argv[1:]) and _is_the_program():
+        _exit_skipping_teardown(code)
+    if code:
+        sys.exit(code)
+
+
+def _checking(argv: list[str]) -> bool:
+    return any(a.lstrip("+") in _CHECK_STAGES for a in argv)
+
+
+def _is_the_program() -> bool:
+    """Whether this process is `python -m runner` itself, where nothing runs after main(); not a program or a test
+    that calls main()."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name == "runner.__main__"
+
+
+def _exit_skipping_teardown(code: int) -> NoReturn:
+    """End a finished check as the interpreter would, less its teardown of the modules: torch's takes ~0.4 s of CPU,
+    a seventh of `python -m runner stage=check`, and a check leaves nothing for it (no worker, no run folder).
+
+    The exit handlers run first (atexit: logging's flush and close, weakref finalizers such as a temporary
+    folder's), then the console is flushed. Where a thread of the user's code still runs, the interpreter's own
+    exit waits for it, as always."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a console already closed
+            stream.flush()
+    os._exit(code)

@@ -118,13 +118,28 @@ def _shown(source: str, config_path: str) -> str:
     return path if inside.startswith("..") else inside
 
 
-_said: set[str] = set()  # lines about the user's files this command has said (a sweep composes once per job)
+# Lines about the user's files this command has said (a sweep composes once per job), each kept as its log record:
+# they are said while composing, before the run folder's log is open, and written there once it is (said_lines).
+_said: dict[str, logging.LogRecord] = {}
 
 
 def _say_once(line: str) -> None:
     if line not in _said:
-        _said.add(line)
-        log.warning("%s", line)
+        record = log.makeRecord(log.name, logging.WARNING, __file__, 0, "%s", (line,), None)
+        _said[line] = record
+        if log.isEnabledFor(logging.WARNING):
+            log.handle(record)
+
+
+def said_lines() -> list[logging.LogRecord]:
+    """What this command said about the user's config files while composing (which option shadows which), as log
+    records, in order: for the run folder's log, which was not open yet."""
+    return list(_said.values())
+
+
+def forget_said_lines() -> None:
+    """A new command (`runner.compose`, the command line's main) says its lines again."""
+    _said.clear()
 
 
 def _let_the_users_options_win() -> None:
@@ -239,7 +254,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> DictConfig
 
     register_resolvers()
     register_configs()
-    _said.clear()  # one command
+    forget_said_lines()  # one command
     problems = check_overrides(overrides, CONFIG_DIR)
     if problems:
         raise ConfigError(problems)

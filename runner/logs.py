@@ -1,6 +1,7 @@
 """Worker logging under Hydra's `hydra/job_logging`: the job's choice, saved by the parent, applied by each worker.
 
-With Hydra's default choice the workers keep the runner's own set-up (runner.log and rank_<k>.log, each line
+With the runner's default choice (`hydra/job_logging=runner`, Hydra's default with runner.log opened without
+following a link) the workers keep the runner's own set-up (runner.log and rank_<k>.log, each line
 tagged with its rank); any other choice or override of `hydra.job_logging` is applied in every worker as Hydra
 applies it in the job's process, except that a rank k > 0 writes rank_<k>.log instead of the file it names.
 """
@@ -16,16 +17,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 JOB_LOGGING_FILE = Path(".hydra") / "job_logging.json"
+RUNNER_JOB_LOGGING = "runner"  # conf/hydra/job_logging/runner.yaml, chosen by conf/config.yaml
 
 
 def chosen_job_logging(hydra_cfg: Any) -> Optional[dict]:
-    """The job's `hydra.job_logging`, resolved, when the user changed it; None for Hydra's default."""
+    """The job's `hydra.job_logging`, resolved, when the user changed it; None for the runner's default."""
     from omegaconf import OmegaConf
 
     choice = hydra_cfg.runtime.choices.get("hydra/job_logging")
     touched = any(o.lstrip("+~").startswith(("hydra.job_logging", "hydra/job_logging"))
                   for o in hydra_cfg.overrides.hydra)
-    if choice == "default" and not touched:
+    if choice == RUNNER_JOB_LOGGING and not touched:
         return None
     return OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)
 
@@ -58,6 +60,17 @@ def apply_job_logging(run_dir: Path, rank: int) -> bool:
     runner_log.handlers, runner_log.propagate = [], True
     logging.config.dictConfig(config)
     return True
+
+
+def write_to_log_files(records: list[logging.LogRecord]) -> None:
+    """Write `records`, said before this job's log files were open, into them (the root logger's files, where Hydra's
+    job logging puts runner.log, and the runner logger's own), not again on the console."""
+    handlers = {id(h): h for name in ("", "runner") for h in logging.getLogger(name).handlers}
+    for handler in handlers.values():
+        if isinstance(handler, logging.FileHandler):
+            for record in records:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
 
 
 class NoFollowFileHandler(logging.FileHandler):

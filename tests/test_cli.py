@@ -175,3 +175,22 @@ def test_the_runner_script_completes_and_imports_from_the_current_folder(tmp_pat
                             env=clean_environ(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "mymodels.Tiny" in (run_dir / ".hydra" / "resolved.yaml").read_text()
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep-job"])
+def test_a_link_planted_as_runner_log_is_refused_not_written_through(tmp_path: Path, sweep: bool) -> None:
+    """Hydra's job logging opens runner.log as the workers open theirs: a link planted there is one line, exit 1,
+    and the file it points to stays as it was."""
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    folder = tmp_path / "sweep" if sweep else tmp_path / "run"
+    log = folder / "0" / "runner.log" if sweep else folder / "runner.log"
+    log.parent.mkdir(parents=True)
+    log.symlink_to(target)
+    where = ["-m", f"hydra.sweep.dir={folder}"] if sweep else [f"hydra.run.dir={folder}"]
+    result = run_cli(*where, "trainer.max_steps=1", "logger=none", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert (f"{log} is a symbolic link (to {target}); the runner never writes a log through a link: remove it, or "
+            "choose another hydra.run.dir") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert target.read_text() == "precious\n"

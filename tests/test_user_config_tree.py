@@ -65,6 +65,18 @@ def test_the_line_is_on_the_console_of_a_real_command(tmp_path: Path) -> None:
     assert conf.is_dir()
 
 
+def test_the_line_is_in_the_run_folders_log_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """Said while composing, before the run folder's runner.log is open: written there once it is, once."""
+    conf = tree(tmp_path, {"optimizer/adamw.yaml": ADAMW})
+    run_dir = tmp_path / "run"
+    code, output = run_main(["--config-dir", str(conf), *BASE, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"],
+                            monkeypatch, capsys)
+    assert code == 0, output
+    logged = (run_dir / "runner.log").read_text()
+    assert logged.count(f"[WARNING] - {conf}/optimizer/adamw.yaml shadows the built-in optimizer=adamw\n") == 1, logged
+
+
 def test_compose_takes_the_users_option_the_same_way(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     conf = tree(tmp_path, {"optimizer/adamw.yaml": ADAMW, "config.yaml": "defaults:\n  - optimizer: sgd\n"})
     caplog.set_level(logging.WARNING, logger="runner")

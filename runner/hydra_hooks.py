@@ -1,0 +1,135 @@
+"""Hydra's internals as the command line needs them: each a context manager, in effect only while `python -m runner`
+runs (runner.cli.main), so that `runner.compose` and other apps' Hydra keep Hydra's own behaviour."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Iterator, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import ConfigError
+
+# What a typed key takes, by the OmegaConf node that holds it (the schemas' int, float, bool and str fields).
+_TAKES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
+          "StringNode": "a string"}
+
+
+def wrong_type(override: Any, error: Any) -> str:
+    """`trainer.max_steps=abc is not an integer (trainer.max_steps takes an integer, e.g. trainer.max_steps=-1)`:
+    the key, the value as typed and the type, for OmegaConf's ValidationError on merging an override."""
+    key = error.full_key or override.key_or_group
+    typed = (override.input_line or "").partition("=")[2]
+    node = error.child_node
+    takes = _TAKES.get(type(node).__name__)
+    if takes is None:  # an enum, a list, a dict: OmegaConf's own first line says it
+        return f"{key}={typed}: {str(error.msg).splitlines()[0]}"
+    value = override.value()
+    if isinstance(value, float) and value.is_integer() and takes == "an integer":
+        example = int(value)  # 1e1 is a float to Hydra's parser
+    else:
+        example = node._value()  # the value the config holds without this override
+    optional = " or null" if node._is_optional() else ""
+    hint = f", e.g. {key}={example}" if example is not None and not OmegaConf.is_config(example) else ""
+    return f"{key}={typed} is not {takes} ({key} takes {takes}{optional}{hint})"
+
+
+@contextlib.contextmanager
+def wrong_types_in_one_line() -> Iterator[None]:
+    """A value of the wrong type for a typed key (`trainer.max_steps=abc`, also in a sweep's `abc,5`) is one line,
+    exit 1, where Hydra prints six of its own: OmegaConf's ValidationError while Hydra merges that override,
+    caught at Hydra's merge of the overrides (a sweep's jobs are composed there too, before any job runs). Only
+    while the command line runs: `runner.compose` keeps raising Hydra's exception to its caller."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    merge = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
+
+    def one_by_one(overrides: list, cfg: DictConfig) -> None:
+        for override in overrides:  # Hydra merges them in order, one at a time, as here
+            try:
+                merge.__func__([override], cfg)
+            except ConfigCompositionException as error:
+                if not isinstance(error.__cause__, ValidationError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"error: {wrong_type(override, error.__cause__)}", file=sys.stderr)
+                raise SystemExit(1) from None
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = merge
+
+
+@contextlib.contextmanager
+def composed_once() -> Iterator[None]:
+    """A run (not -m) composes its config once, where Hydra composes it twice: once to read `hydra.mode`
+    (Hydra.get_mode, in multirun mode), then again to run it, ~0.15 s each (a twentieth of `stage=check`).
+
+    Here get_mode composes the config as the run will (run mode, the same overrides) and the run takes that very
+    config. Where hydra.mode is unset, Hydra runs with `hydra.mode=RUN` added to the overrides: the config gets what
+    that override gives (the mode, and the line in hydra.overrides.hydra). Where this composition fails (a sweep's
+    values without -m, an option that does not exist) or gives a multirun preset, Hydra's own get_mode answers and
+    the run composes as before, raising its own error."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.types import RunMode
+
+    get_mode, load = Hydra.__dict__["get_mode"], ConfigLoaderImpl.__dict__["load_configuration"]
+    composed: dict[tuple, DictConfig] = {}
+
+    def get_mode_composing_the_run(self: Any, config_name: Optional[str], overrides: list[str]) -> Any:
+        try:
+            cfg = load(self.config_loader, config_name=config_name, overrides=overrides, run_mode=RunMode.RUN)
+        except Exception:  # noqa: BLE001 - Hydra's own get_mode decides, and the run reports the error
+            return get_mode(self, config_name, overrides)
+        mode, run_overrides = cfg.hydra.mode, list(overrides)
+        if mode == RunMode.MULTIRUN:
+            return mode
+        if mode is None:  # what Hydra's _run_app adds before the run composes
+            cfg.hydra.mode = RunMode.RUN
+            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+            run_overrides.append("hydra.mode=RUN")
+        composed[(config_name, tuple(run_overrides))] = cfg
+        return mode
+
+    def load_configuration(self: Any, config_name: Optional[str], overrides: list[str], run_mode: Any,
+                           **kwargs: Any) -> DictConfig:
+        cfg = composed.pop((config_name, tuple(overrides)), None) if run_mode == RunMode.RUN else None
+        return cfg if cfg is not None else load(self, config_name, overrides, run_mode, **kwargs)
+
+    Hydra.get_mode, ConfigLoaderImpl.load_configuration = get_mode_composing_the_run, load_configuration
+    try:
+        yield
+    finally:
+        Hydra.get_mode, ConfigLoaderImpl.load_configuration = get_mode, load
+
+
+@contextlib.contextmanager
+def linked_log_in_one_line() -> Iterator[None]:
+    """A symbolic link planted at the run folder's runner.log is refused in one line, exit 1, before the job writes
+    anything there: Hydra's job logging opens that file through runner.logs.NoFollowFileHandler
+    (conf/hydra/job_logging/runner.yaml), whose refusal logging's dictConfig wraps in a ValueError that Hydra prints
+    as a traceback. Only while the command line runs."""
+    from hydra.core import utils as hydra_utils
+
+    configure = hydra_utils.configure_log
+
+    def configure_log(*args: Any, **kwargs: Any) -> None:
+        try:
+            configure(*args, **kwargs)
+        except ValueError as error:
+            if not isinstance(error.__cause__, ConfigError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {error.__cause__}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    hydra_utils.configure_log = configure_log
+    try:
+        yield
+    finally:
+        hydra_utils.configure_log = configure
