@@ -90,3 +90,21 @@ def test_a_folder_written_before_names_still_resumes(tmp_path: Path) -> None:
     sharded.publish(tmp, old)
     fit(tmp_path / "resumed", *TWO, *common, f"trainer.ckpt_path={old}", no_decay="[]")
     assert_same(read(tmp_path / "resumed/checkpoints/last.ckpt"), read(tmp_path / "straight/checkpoints/last.ckpt"))
+
+
+def test_a_grouped_file_that_names_no_parameters_is_refused_under_fsdp(runs: Path, tmp_path: Path) -> None:
+    """A file of two groups saved before optimizers recorded their parameters' names: which state is whose cannot
+    be told, so fsdp (which must know to cut it) refuses it in one line; the index order suits ddp and single."""
+    from runner.checkpoint_io import TorchCheckpointIO
+
+    io = TorchCheckpointIO()
+    checkpoint = io.load_checkpoint(runs / "one/checkpoints/step-000006.ckpt")
+    del checkpoint["optimizer"]["parameter_names"]
+    io.save_checkpoint(checkpoint, tmp_path / "old.ckpt")
+    with pytest.raises(Exception, match=(
+            rf"cannot load checkpoint {tmp_path / 'old.ckpt'} under strategy=fsdp: cannot tell which parameter each "
+            r"optimizer state belongs to: 1 optimizer\(s\), 2 group\(s\) over 6 of the model's 6 parameters.*; resume "
+            "it with strategy=ddp or single")):
+        fit(tmp_path / "run", "strategy=fsdp", *ONE, f"trainer.ckpt_path={tmp_path / 'old.ckpt'}")
+    fit(tmp_path / "single", "strategy=single", *ONE, f"trainer.ckpt_path={tmp_path / 'old.ckpt'}")
+    assert_same(read(tmp_path / "single/checkpoints/last.ckpt"), read(runs / "one/checkpoints/last.ckpt"))

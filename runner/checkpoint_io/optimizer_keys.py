@@ -74,8 +74,8 @@ def index_names(states: list[dict], model_names: list[str]) -> list[list[str]]:
         else:
             raise CheckpointError(
                 f"cannot tell which parameter each optimizer state belongs to: {len(states)} optimizer(s), "
-                f"{len(groups)} group(s) over {count} of the model's {len(model_names)} parameters, without "
-                "parameter names; runner.checkpoint_io.optimizer_keys.record_names(optimizers, model) records them")
+                f"{len(groups)} group(s) over {count} of the model's {len(model_names)} parameters, and no names "
+                f"of them ({NAMES_KEY}: record_names)")
         if len(names) != count:
             raise CheckpointError(f"an optimizer's state dict names {len(names)} parameters, its groups hold {count}")
         result.append(names)

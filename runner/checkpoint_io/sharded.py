@@ -186,7 +186,15 @@ def read(path: Any, allocate: Optional[Allocate] = None, process_group: Any = No
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's gathers every rank's failures
             raise CheckpointError(f"cannot load sharded checkpoint {path}: {_reason(err)}; a shard file is damaged "
                                   "or truncated; use an earlier checkpoint") from None
-    return join(tensors, rest)
+    return _joined(path, tensors, rest)
+
+
+def _joined(path: Any, tensors: dict, rest: dict) -> dict:
+    try:
+        return join(tensors, rest)
+    except (CheckpointError, KeyError, TypeError, ValueError) as err:  # a state.pt of another shape
+        raise CheckpointError(f"cannot load sharded checkpoint {path}: its {STATE_FILE} does not fit its shards "
+                              f"({type(err).__name__}: {err}); use an earlier checkpoint") from None
 
 
 def write_reason(err: BaseException, folder: Path) -> str:
@@ -268,7 +276,7 @@ def skeleton(path: Any, trust_unchecked: bool = False) -> dict:
             for part in where[:-1]:
                 node = node.setdefault(part, {})
             node[where[-1]] = torch.empty(item.size, dtype=item.properties.dtype, device="meta")
-    return join(tensors, read_rest(path))
+    return _joined(path, tensors, read_rest(path))
 
 
 def nonfinite_weights(path: Any) -> list[str]:

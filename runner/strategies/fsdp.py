@@ -208,7 +208,7 @@ class FSDPStrategy(DDPStrategy):
                 return _allocate(_target(where, targets), size, dtype)
 
             return sharded.read(path, allocate, trust_unchecked=trust_unchecked)
-        return self._shard_checkpoint(trust.load_file(self.checkpoint_io, path, trust_unchecked))
+        return self._shard_checkpoint(path, trust.load_file(self.checkpoint_io, path, trust_unchecked))
 
     def _parameter_names(self) -> list[str]:
         assert self._model is not None
@@ -222,12 +222,17 @@ class FSDPStrategy(DDPStrategy):
         indices = [index for state in states for group in state.get("param_groups", []) for index in group["params"]]
         return {"model": self._model.state_dict(), "indexed": dict(zip(indices, self._model.parameters()))}
 
-    def _shard_checkpoint(self, checkpoint: dict) -> dict:
+    def _shard_checkpoint(self, path: Any, checkpoint: dict) -> dict:
         """A full checkpoint's model and optimizer tensors cut to this process's shards (no communication)."""
         model_state = self._model.state_dict() if self._model is not None else {}
         checkpoint["model"] = {k: _slice_like(v, model_state.get(k)) for k, v in checkpoint["model"].items()}
         states = optimizer_keys.states_of(checkpoint["optimizer"])
-        for state, names in zip(states, optimizer_keys.index_names(states, self._parameter_names())):
+        try:
+            all_names = optimizer_keys.index_names(states, self._parameter_names())
+        except CheckpointError as err:  # a file of several groups saved before optimizers recorded their names
+            raise CheckpointError(f"cannot load checkpoint {path} under strategy=fsdp: {err}; resume it with "
+                                  "strategy=ddp or single, whose optimizer takes its state by index") from None
+        for state, names in zip(states, all_names):
             order = [index for group in state["param_groups"] for index in group["params"]]
             name_of = dict(zip(order, names))
             for index, entries in state.get("state", {}).items():
