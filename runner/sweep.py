@@ -263,12 +263,60 @@ def set_sweeper_direction(config: DictConfig) -> None:
     log.info("sweeper direction: %s %s", direction, config.get("objective"))
 
 
+SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+_ONE_PROCESS = ("runner.strategies.DataParallelStrategy", "runner.strategies.SingleDeviceStrategy")
+_CPU = "runner.accelerators.CPUAccelerator"
+
+
+def set_slurm_tasks(config: DictConfig) -> None:
+    """Under `hydra/launcher=submitit_slurm`, one SLURM task per process the job runs, on `trainer.num_nodes` nodes.
+
+    Each task is then one rank the runner finds through SLURM's variables (it spawns nothing under srun); submitit's
+    default of one task per node left `strategy=ddp trainer.devices=8` one process short of seven. GPUs per node
+    follow the devices too, unless the accelerator is the CPU. A value typed for the launcher is kept when it agrees
+    and refused when it does not. Raises ConfigError."""
+    launcher = config.hydra.get("launcher")
+    if launcher is None or launcher.get("_target_") != SLURM_LAUNCHER:
+        return
+    tasks_override = [o for o in config.hydra.overrides.task
+                      if o.split("=", 1)[0].lstrip("+~") in ("trainer.devices", "trainer.num_nodes") and
+                      ("," in o or "(" in o)]
+    if tasks_override:
+        raise ConfigError([f"{tasks_override[0]} with hydra/launcher=submitit_slurm: the launcher asks SLURM for one "
+                           "number of tasks per sweep; sweep trainer.devices and trainer.num_nodes in separate "
+                           "commands"])
+    devices, nodes = config.trainer.devices, config.trainer.num_nodes
+    one_process = config.strategy.get("_target_") in _ONE_PROCESS
+    if not isinstance(devices, int) and not one_process:
+        raise ConfigError([f"trainer.devices={devices} with hydra/launcher=submitit_slurm: give the devices per node "
+                           "as a number (e.g. trainer.devices=8): each becomes one SLURM task"])
+    wanted = {"tasks_per_node": 1 if one_process else devices, "nodes": nodes}
+    if config.accelerator.get("_target_") != _CPU and isinstance(devices, int):
+        wanted["gpus_per_node"] = devices
+    typed = {o.split("=", 1)[0].lstrip("+~")[len("hydra.launcher."):]: o.split("=", 1)[1]
+             for o in config.hydra.overrides.hydra if o.lstrip("+~").startswith("hydra.launcher.") and "=" in o}
+    for key, value in wanted.items():
+        if key in typed and typed[key] != str(value):
+            raise ConfigError([f"hydra.launcher.{key}={typed[key]} contradicts {_why(key, devices, nodes)}: drop "
+                               f"hydra.launcher.{key} (the runner sets it to {value})"])
+    with read_write(launcher):
+        for key, value in wanted.items():
+            launcher[key] = value
+    log.info("submitit: %s", ", ".join(f"hydra.launcher.{key}={value}" for key, value in wanted.items()))
+
+
+def _why(key: str, devices: Any, nodes: int) -> str:
+    return f"trainer.num_nodes={nodes}" if key == "nodes" else f"trainer.devices={devices}"
+
+
 class SweepDirection(Callback):
-    """`set_sweeper_direction`, called by Hydra with the composed config before it builds the sweeper."""
+    """`set_sweeper_direction` and `set_slurm_tasks`, called by Hydra with the composed config before it builds the
+    sweeper (and its launcher)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             set_sweeper_direction(config)
+            set_slurm_tasks(config)
         except ConfigError as error:
             # Hydra turns a callback's exceptions into warnings and goes on: the sweep must not start.
             print(f"error: {error}", file=sys.stderr)
