@@ -240,8 +240,8 @@ def check_sizes(path: Any, metadata: Any) -> None:
             raise CheckpointError(
                 f"cannot load sharded checkpoint {path}: its .metadata declares {key} as {shape} "
                 f"{str(item.properties.dtype).replace('torch.', '')} ({_size(declared)}), but its shard files hold "
-                f"{_size(present.get(key, 0))} of it; refused before allocating it (the metadata was damaged or "
-                "edited); use an earlier checkpoint")
+                f"{_size(present.get(key, 0))} of it (a shard file is truncated, or the metadata was damaged or "
+                "edited); refused before allocating it; use an earlier checkpoint")
 
 
 def _size(count: int) -> str:
