@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 from pathlib import Path
 from typing import Any, Callable
@@ -101,6 +102,22 @@ def _to_log_files(error: BaseException) -> None:
         logger = logger.parent if logger.propagate else None
 
 
+class PeerLost(RuntimeError):
+    """Under torchrun or srun, another process of the job went away under a collective (its node lost, or killed):
+    each surviving rank says so in one line, the transport's traceback in its log file. Its message keeps the
+    transport's words, so that it still reads as a consequence (runner.processes.peer_gone)."""
+
+    def __init__(self, rank: int, error: BaseException, run_dir: Path) -> None:
+        said = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
+        said = said.split(". ")[0].rstrip(".")
+        last = run_dir / "checkpoints" / "last.ckpt"
+        then = f"resume with trainer.ckpt_path={last}" if last.exists() else f"no checkpoint in {run_dir} yet"
+        super().__init__(f"rank {rank}: another process of the job went away ({said}): a node or a rank was lost, "
+                         f"and its own log or launcher says why; {then}")
+        self.__cause__ = error
+        _to_log_files(self)
+
+
 class WorkerFailed(RuntimeError):
     """A worker of the job raised or died; the message names the rank and carries its traceback."""
 
@@ -118,6 +135,6 @@ def is_user_error(error: BaseException) -> bool:
     from runner.run_lock import RunFolderBusy
     from runner.tasks import BatchError
 
-    known = (ConfigError, WorkerFailed, HookFailed, CheckpointError, NonFiniteLossError, JobStopped,
+    known = (ConfigError, WorkerFailed, HookFailed, PeerLost, CheckpointError, NonFiniteLossError, JobStopped,
              InstantiationException, BatchError, CallbackError, RunFolderBusy)
     return isinstance(error, known)

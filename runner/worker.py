@@ -123,7 +123,8 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         slurm = SLURMEnvironment.detect()
         # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
         with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
-            result = _train(cfg, strategy, run_dir, ckpt_path, stop)
+            result = _lost_peer_in_one_line(lambda: _train(cfg, strategy, run_dir, ckpt_path, stop), strategy,
+                                            run_dir)
             if result.get("stop_signal") == signal.SIGUSR1 and strategy.is_global_zero:
                 _requeue_slurm_job()
             return result
@@ -132,6 +133,20 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         # interpreter is whole. Freed during its shutdown, gloo's threads abort the process (SIGABRT).
         gc.collect()
         strategy.teardown()
+
+
+def _lost_peer_in_one_line(train: Any, strategy: Any, run_dir: Path) -> dict:
+    """`train()`, where a peer lost under torchrun or srun (a node gone) is a PeerLost for this rank: one line, not
+    Hydra's report of the transport's traceback. The runner's own launcher tells a consequence from a cause itself."""
+    from runner.errors import PeerLost
+
+    try:
+        return train()
+    except Exception as error:
+        environment = getattr(strategy, "cluster_environment", None)
+        if peer_gone(error) and getattr(environment, "creates_processes_externally", False):
+            raise PeerLost(strategy.global_rank, error, run_dir) from error
+        raise
 
 
 def _check_same_config(cfg: Any, strategy: Any) -> None:
