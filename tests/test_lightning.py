@@ -300,3 +300,16 @@ def test_predict_step_gives_the_predictions(tmp_path: Path) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     net.load_state_dict({k.removeprefix("net."): v for k, v in load_checkpoint(tmp_path / "fit")["model"].items()})
     torch.testing.assert_close(predictions, torch.softmax(net(inputs), dim=-1).detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_ddp")
+def test_uneven_validation_shares_under_fsdp_count_each_sample_once(tmp_path: Path) -> None:
+    """65 validation samples on 2 FSDP processes x 8: 5 batches and 4, so one process runs a padding forward (FSDP's
+    all-gathers must match); the module's Accuracy object and self.log do not see it: val/acc is 1 process's over the
+    same 65 samples (its val/loss, a MeanMetric of batch means, depends on the batching)."""
+    lit = ("model._target_=lightning_modules.LitClassifier", "trainer.max_steps=4", "data.val_samples=65")
+    one = runner.fit(_cfg(tmp_path, *lit), run_dir=tmp_path / "one")
+    two = runner.fit(_cfg(tmp_path, *lit, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8"),
+                     run_dir=tmp_path / "two")
+    assert two["val/acc"] == pytest.approx(one["val/acc"], abs=1e-6)

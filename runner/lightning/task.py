@@ -10,8 +10,9 @@ units, and the step follows the mean over the micro-batches that gave a loss (on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -141,6 +142,12 @@ class LightningTask(Task):
 
     def _evaluate(self, model: nn.Module, batch: Any) -> dict[str, Any]:
         split, hooks, recorder = self.split, self.hooks, self.hooks.recorder
+        if self.discard:  # a padding forward (FSDP's collectives): the step runs, and leaves no trace
+            with recorder.recording(split, STEPS[split]), torchmetrics_kept(model):
+                getattr(model, STEPS[split])(batch, 0)
+            zeros = [0.0] * (3 + 2 * len(self._train_names or ()))
+            return {"loss": torch.zeros((), device=hooks.strategy.root_device),
+                    "stats": stats_row(torch.zeros((), device=hooks.strategy.root_device), 0, 0, *zeros)}
         evaluation = self.evaluations.get(split)
         if evaluation is None:  # a test: the runner has no hook before its first batch
             evaluation = self.open(split)
@@ -215,6 +222,26 @@ class LightningTask(Task):
         if split == "test":
             hooks.test_end()
         return values
+
+
+@contextlib.contextmanager
+def torchmetrics_kept(model: nn.Module) -> Iterator[None]:
+    """The states of the module's torchmetrics objects as they were before: what a discarded step updated is undone."""
+    metrics = [m for m in model.modules() if is_torchmetric(m)]
+    saved = [({name: _copied(getattr(m, name)) for name in m._defaults}, m._update_count, m._computed)
+             for m in metrics]
+    try:
+        yield
+    finally:
+        for metric, (states, count, computed) in zip(metrics, saved):
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = count, computed
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else [_copied(v) for v in value] if isinstance(
+        value, list) else value
 
 
 def _loss(output: Any, step: str, optional: bool = False, strict: bool = True) -> Optional[torch.Tensor]:

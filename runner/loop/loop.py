@@ -174,8 +174,10 @@ class Loop:
                 signalled = vote(index)  # every process stops at the same batch
                 if signalled:
                     break
+                task.discard = not real  # a padding forward for the other processes' collectives: it counts for nothing
                 out = self.strategy.validation_step(self.wrapped, self.strategy.batch_to_device(batch), preds)
-                if not real:  # a padding forward, for the other processes' collectives: it counts for nothing
+                task.discard = False
+                if not real:
                     continue
                 sums += out["stats"].sum(dim=0)
                 self.metrics.update("val", out)

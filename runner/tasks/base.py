@@ -132,6 +132,9 @@ class Task:
     # True: forward's "loss" is {optimizer name: summed loss}, one per named optimizer (optimizer.<name>._params_),
     # each back-propagated into its optimizer's parameters only (the parts of a GAN, an actor and a critic).
     losses_per_optimizer: bool = False
+    # Set by the loop around a forward whose output it discards (a padding forward, for the other processes'
+    # collectives under FSDP): a task with side effects (a LightningModule's self.log and hooks) skips them.
+    discard: bool = False
 
     @property
     def stat_names(self) -> tuple[str, ...]:
