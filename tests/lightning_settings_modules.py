@@ -2,15 +2,15 @@
 project turns on, each observable in the run's numbers.
 
 `LitSettings` is lightning-hydra-template's module shape on the runner's synthetic data: a net, cross-entropy, a
-torchmetrics Accuracy logged each step, SGD from configure_optimizers, and `torch.compile(self.net)` in `setup("fit")`
-when `compile` names a backend (the template compiles there). What it saw is logged, so a run's metrics say it:
+torchmetrics Accuracy logged each step, SGD with momentum (or Adam: `optimizer="adam"`) from configure_optimizers,
+and `torch.compile(self.net)` in `setup("fit")` when `compile` names a backend (the template compiles there). What it saw is logged, so a run's metrics say it:
 `train/low_precision` (the logits were bfloat16 or float16: an autocast was on), `train/compiled` (the net it called
 was a compiled one), `train/world` (the trainer's world size).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,7 @@ from runner.models import MLP
 
 class LitSettings(pl.LightningModule):
     def __init__(self, in_features: int = 8, hidden: int = 16, depth: int = 2, num_classes: int = 4,
-                 lr: float = 0.1, compile: Optional[str] = None) -> None:
+                 lr: float = 0.1, compile: str | None = None, optimizer: str = "sgd") -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net: nn.Module = MLP(in_features, hidden, depth, num_classes)
@@ -57,6 +57,8 @@ class LitSettings(pl.LightningModule):
         self.log("val/acc", self.val_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr / 10)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
