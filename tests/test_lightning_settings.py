@@ -130,6 +130,19 @@ def test_torch_compile_in_setup_resumes(tmp_path: Path) -> None:
     assert_same_weights(weights(tmp_path / "straight"), weights(resumed_at_6(tmp_path, *compiled)), atol=1e-6)
 
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_fsdp")
+def test_fsdp_resumes_from_its_sharded_checkpoint_to_one_processs_weights(tmp_path: Path) -> None:
+    """strategy=fsdp on 2 processes, 6 steps, then resumed from the sharded last.ckpt to 12: the weights 1 process
+    trains straight (Adam, whose state names the optimizer check accepts, see above)."""
+    adam = ("+model.optimizer=adam",)
+    fit(tmp_path / "one", *adam)
+    resumed = resumed_at_6(tmp_path / "fsdp", "strategy=fsdp", "trainer.devices=2", "data.batch_size=8", *adam)
+    assert (resumed / "checkpoints" / "last.ckpt").is_dir()  # sharded: each process wrote its shards
+    assert_same_weights(weights(tmp_path / "one"), weights(resumed), atol=1e-5)
+
+
 # What Lightning 2.6's Trainer(accumulate_grad_batches=2, max_steps=2) calls, in this order (its automatic
 # optimization loop: each micro-batch's on_train_batch_end right after its backward pass; the optimizer step inside
 # the last one's, so that one sees the new global_step).
