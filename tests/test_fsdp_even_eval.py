@@ -63,3 +63,17 @@ def test_every_process_runs_as_many_forwards_and_only_its_own_batches_count() ->
     zero, one = run_ranks(forwards_scenario, world_size=2, timeout=90)
     assert zero == {"counted": [0, 1], "stream": [0, 1, 2], "stream_empty": [0]}
     assert one == {"counted": [], "stream": [10], "stream_empty": []}
+
+
+def test_uneven_predict_shares_finish_with_one_processs_predictions(tmp_path: Path) -> None:
+    """stage=predict over 65 samples on 2 FSDP processes (5 batches and 4): the padding forward's rows are dropped,
+    and predictions.pt is 1 process's, row for row (it waited out strategy.timeout)."""
+    runner.fit(compose_config([*BASE, "trainer.devices=1", "data.batch_size=16"]), run_dir=tmp_path / "fit")
+    last = f"trainer.ckpt_path={tmp_path / 'fit' / 'checkpoints' / 'last.ckpt'}"
+    predict = (*BASE, "stage=predict", last, "data.test_samples=65")
+    runner.fit(compose_config([*predict, "trainer.devices=2", "data.batch_size=8"]), run_dir=tmp_path / "two")
+    runner.fit(compose_config([*predict, "trainer.devices=1", "data.batch_size=16"]), run_dir=tmp_path / "one")
+    two, one = (torch.load(tmp_path / name / "predictions.pt", weights_only=True)["predictions"]
+                for name in ("two", "one"))
+    assert two.shape == (65, 4)
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-6)

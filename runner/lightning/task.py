@@ -179,6 +179,9 @@ class LightningTask(Task):
         """predict_step(batch, batch_idx) between on_predict_batch_start and _end (on_predict_start and
         on_predict_epoch_start before the first batch): a tensor with one row per sample of the batch."""
         hooks, batch_idx = self.hooks, self.predicted
+        if self.discard:  # a padding forward (FSDP's collectives): no hooks, no count, its output dropped
+            with precision.forward_context(), torchmetrics_kept(model):
+                return model.predict_step(precision.convert_input(batch), batch_idx)
         if batch_idx == 0:
             hooks.call("on_predict_start")
             hooks.call("on_predict_epoch_start")

@@ -209,10 +209,13 @@ class Loop:
         """
         mine: list[torch.Tensor] = []
         self.task.eval()
-        module = self.strategy.unwrap(self.wrapped)
+        module, task = self.strategy.unwrap(self.wrapped), self.task.task
         with torch.no_grad():
-            for batch in loader:
-                mine += [p.cpu() for p in module.predict(self.strategy.batch_to_device(batch)).unbind(0)]
+            for batch, real in even_batches(self.strategy, loader, loader_length(loader)):  # FSDP: even forwards
+                task.discard = not real
+                predicted = module.predict(self.strategy.batch_to_device(batch))
+                task.discard = False
+                mine += [p.cpu() for p in predicted.unbind(0)] if real else []
         self.task.train()
         shares = [self.strategy.broadcast(mine if rank == self.strategy.global_rank else None, src=rank)
                   for rank in range(self.strategy.world_size)]
