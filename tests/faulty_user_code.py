@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from runner.data import SyntheticClassification
