@@ -23,7 +23,7 @@ def even_batches(strategy: Any, batches: Iterable, count: float) -> Iterable[tup
     forwards until every process has run as many as the one with the most. Agreed in one all-reduce when every
     process knows its count, else with one per batch. Nothing is agreed where forwards are not collectives."""
     batches = batches if count == math.inf else itertools.islice(batches, int(count))
-    if strategy.world_size == 1 or not getattr(strategy, "collective_forward", False):
+    if strategy.world_size == 1 or not strategy.collective_forward:
         return ((batch, True) for batch in batches)
     counts = _gathered(strategy, -1 if count == math.inf else int(count))
     if min(counts) < 0:

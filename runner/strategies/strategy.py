@@ -36,6 +36,9 @@ class WorkerProcesses:
 class Strategy:
     """One process, one device. Subclasses override what changes with more devices or processes."""
 
+    # Whether each forward is a collective (FSDP all-gathers): evaluations then run as many forwards on every process.
+    collective_forward = False
+
     def __init__(
         self,
         accelerator: Optional[Accelerator] = None,
