@@ -29,7 +29,8 @@ def stop_message(signum: int, run_dir: Path) -> str:
     metrics = _metrics(run_dir)
     stage = metrics.get("stopped_in", "") if metrics.get("stop_signal") else ""
     if stage.startswith("stage="):  # validate, test or predict: nothing to resume, nothing written
-        return f"stopped by {name} during {stage} before its end: it wrote no metrics; run it again"
+        product = "predictions.pt" if stage == "stage=predict" else "metrics"
+        return f"stopped by {name} during {stage} before its end: it wrote no {product}; run it again"
     if not last.exists():
         return f"stopped by {name} before the first checkpoint: nothing was saved, start the run again"
     # A stopped run's metrics.json is written after its last.ckpt, at the same step: no checkpoint to read.

@@ -84,7 +84,7 @@ def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictio
     _, stderr = job.communicate(timeout=60)
     assert time.monotonic() - started < 8, stderr  # a batch or two, not the rest of the pass
     assert job.returncode == 128 + signal.SIGTERM, stderr
-    assert "stopped by SIGTERM during stage=predict before its end: it wrote no metrics; run it again" in stderr
+    assert "stopped by SIGTERM during stage=predict before its end: it wrote no predictions.pt; run it again" in stderr
     assert not (run_dir / "predictions.pt").exists()
     assert json.loads((run_dir / "metrics.json").read_text())["stopped_in"] == "stage=predict"
     assert "Traceback" not in stderr
