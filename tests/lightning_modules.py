@@ -285,3 +285,17 @@ class SanityCallback(pl.Callback):
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+class RaisingCallback(pl.Callback):
+    """A user's Lightning callback whose on_train_epoch_start raises."""
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        raise RuntimeError("injected failure in a Lightning callback")
+
+
+class RaisesOnTrainStart(LitPlain):
+    """A LightningModule whose on_train_start raises."""
+
+    def on_train_start(self) -> None:
+        raise RuntimeError("injected failure in a module hook")

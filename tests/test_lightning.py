@@ -313,3 +313,17 @@ def test_uneven_validation_shares_under_fsdp_count_each_sample_once(tmp_path: Pa
     two = runner.fit(_cfg(tmp_path, *lit, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8"),
                      run_dir=tmp_path / "two")
     assert two["val/acc"] == pytest.approx(one["val/acc"], abs=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("model._target_=lightning_modules.LitPlain", "+callbacks.boom._target_=lightning_modules.RaisingCallback"),
+     "callbacks.boom.on_train_epoch_start() raised RuntimeError: injected failure in a Lightning callback"),
+    (("model._target_=lightning_modules.RaisesOnTrainStart",),
+     "model (RaisesOnTrainStart).on_train_start() raised RuntimeError: injected failure in a module hook"),
+], ids=["callback", "module"])
+def test_a_lightning_hook_that_raises_is_one_line_naming_it(tmp_path: Path, overrides: tuple, line: str) -> None:
+    from runner.errors import HookFailed
+
+    with pytest.raises(HookFailed) as failed:
+        runner.fit(_cfg(tmp_path, *overrides), run_dir=tmp_path / "run")
+    assert str(failed.value) == line

@@ -43,10 +43,10 @@ class LightningHooks:
     def _methods(self, hook: str) -> list[Callable]:
         found = self._table.get(hook)
         if found is None:
-            found = [functools.partial(getattr(cb, hook), self.view, self.module)
-                     for cb in self.callbacks.values() if overrides(cb, hook)]
+            found = [_named(f"callbacks.{name}.{hook}()", functools.partial(getattr(cb, hook), self.view, self.module))
+                     for name, cb in self.callbacks.items() if overrides(cb, hook)]
             if self.lightning and overrides(self.module, hook):
-                found.append(getattr(self.module, hook))
+                found.append(_named(f"model ({type(self.module).__name__}).{hook}()", getattr(self.module, hook)))
             self._table[hook] = found
         return found
 
@@ -221,6 +221,22 @@ def _validates_now(loop: Any) -> bool:
     """Whether the step just taken validates (the loop's own rule), so that the epoch ends after that validation."""
     s = loop.schedule
     return loop.val is not None and bool(s.val_batches) and loop.progress.step % s.val_every == 0
+
+
+def _named(label: str, method: Callable) -> Callable:
+    """A Lightning hook whose raise (or sys.exit) is one line naming it, its traceback in the log files; the runner's
+    own errors (a refused self.log), a stop and a lost process pass as they are."""
+    from runner.errors import HookFailed, is_user_error
+    from runner.processes import peer_gone
+
+    def call(*args: Any) -> Any:
+        try:
+            return method(*args)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - any failure of the user's hook is that hook's
+            if isinstance(error, Exception) and (is_user_error(error) or peer_gone(error)):
+                raise
+            raise HookFailed(label, error) from error
+    return call
 
 
 def _checked(hook: str, returned: Any) -> None:
