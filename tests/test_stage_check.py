@@ -175,3 +175,17 @@ def test_the_command_line_checks_without_writing(tmp_path: Path) -> None:
 def test_runner_fit_checks_from_python() -> None:
     found = runner.fit(runner.compose(["stage=check"]))
     assert found["report"].startswith("check: ok") and found["parameters"] > 0
+
+
+def test_the_command_ends_through_the_exit_handlers(tmp_path: Path) -> None:
+    """A check skips the interpreter's teardown of the modules, not what a program registered to run at exit, nor
+    the console's last lines through a pipe."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, pathlib\natexit.register(lambda: pathlib.Path('exit-handler-ran').write_text('yes'))\n")
+    env = clean_environ()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
+    done = subprocess.run([sys.executable, "-m", "runner", "stage=check"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("check: ok") and done.stdout.endswith("\n")
+    assert (tmp_path / "exit-handler-ran").read_text() == "yes"
