@@ -110,20 +110,11 @@ def resumed_at_6(tmp_path: Path, *overrides: str) -> Path:
     return tmp_path / "resumed"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "refused before launch: runner/checks/checkpoint.py's _check_optimizer_state probes the config's optimizer "
-    "group (AdamW by default), which a LightningModule does not use, against the state its configure_optimizers' "
-    "SGD saved (momentum_buffer): 'holds the state of another optimizer'. A module with Adam passes only because "
-    "Adam keeps AdamW's state names"))
 def test_a_lightning_module_with_sgd_resumes_to_the_straight_runs_weights(reference: tuple[Path, dict],
                                                                            tmp_path: Path) -> None:
     assert_same_weights(weights(reference[0]), weights(resumed_at_6(tmp_path)), atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "refused before launch: runner/checks/checkpoint.py's _check_model_fits builds the module on the meta device "
-    "without its setup('fit'), so the compiled net's names in the checkpoint (net._orig_mod.*) are 'unexpected' and "
-    "the eager names 'missing'; the worker runs setup('fit') before it loads, as Lightning does, and would fit"))
 def test_torch_compile_in_setup_resumes(tmp_path: Path) -> None:
     compiled = ("+model.compile=eager", "+model.optimizer=adam")  # Adam: the optimizer check passes (see above)
     fit(tmp_path / "straight", *compiled)
@@ -153,11 +144,6 @@ LIGHTNING_ORDER = [line for step in (0, 1) for line in (
     f"on_before_optimizer_step gs={step}", f"on_train_batch_end idx={2 * step + 1} gs={step + 1}")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "under accumulation the runner calls every micro-batch's on_train_batch_end after the optimizer step "
-    "(LightningHooks.on_train_batch_end replays task.step_records once TrainStep has stepped): the first "
-    "micro-batch's comes after the second's on_train_batch_start and on_before_optimizer_step, sees global_step "
-    "already advanced and its gradients already zeroed; Lightning calls it right after that micro-batch's backward"))
 def test_batch_hooks_under_accumulation_come_in_lightnings_order(tmp_path: Path) -> None:
     fit(tmp_path / "run", "model._target_=lightning_settings_modules.LitHookOrder", f"+model.record={tmp_path}",
         "trainer.accumulate_grad_batches=2", "data.batch_size=8", "trainer.max_steps=2")

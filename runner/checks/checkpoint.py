@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from runner.build import (build_accelerator, build_environment, build_model, build_task, devices_setting,
                           probe_optimizer)
+from runner.lightning import is_lightning_config
 
 
 def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
@@ -42,7 +43,7 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
                f"run's global batches (data.batch_size x processes x trainer.accumulate_grad_batches = {per_step}); "
                f"resume with its global batch ({checkpoint.get('global_batch_size')})")
     yield from _check_model_fits(cfg, path, checkpoint["model"])
-    if resume != "weights":
+    if resume != "weights" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() chooses
         yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
     if resume == "exact":
         yield from _check_same_scheduler(cfg, path, checkpoint)
@@ -118,13 +119,19 @@ def _check_optimizer_state(cfg: DictConfig, path: Any, saved: Any) -> Iterator[s
                "resume with the optimizer it was saved with")
 
 
+def _eager(name: str) -> str:
+    """A parameter's name without torch.compile's wrapper: a module that compiles a part of itself in setup() (which
+    the meta build does not run) saves `net._orig_mod.weight` for the `net.weight` built here."""
+    return name.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
+
+
 def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            expected = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+            expected = {_eager(k): tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
         return
-    found = {k: tuple(v.shape) for k, v in saved.items()}
+    found = {_eager(k): tuple(v.shape) for k, v in saved.items()}
     differ = [f"{k} {found[k]} vs {shape}" for k, shape in expected.items() if k in found and found[k] != shape]
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if differ or missing or extra:

@@ -80,6 +80,9 @@ class LightningTask(Task):
     def _train(self, model: nn.Module, batch: Any) -> dict[str, Any]:
         hooks, recorder = self.hooks, self.hooks.recorder
         batch_idx = hooks.train_batch_index()
+        for record in self.step_records:  # the step's earlier micro-batches end before this one starts (Lightning)
+            hooks.call("on_train_batch_end", *record)
+        self.step_records = []
         with recorder.recording("train", "training_step") as logged:
             hooks.before_train_batch(batch, batch_idx)
             output = model.training_step(batch, batch_idx)
