@@ -10,7 +10,6 @@ from omegaconf import DictConfig
 
 from runner.build import NO_DECAY, build_model, no_decay_matches, python_rng_kept
 from runner.checks.signatures import is_fsdp
-from runner.loop.optimizers import assign_parts
 from runner.values import named_optimizers
 
 
@@ -18,6 +17,8 @@ def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
     parts = named_optimizers(cfg.get("optimizer"))
     if parts is None or cfg.get("stage", "fit") != "fit":
         return
+    from runner.loop.optimizers import assign_parts  # the loop package: imported where several optimizers are named
+
     if is_fsdp(cfg) and _losses_per_optimizer(cfg):
         yield (f"task ({cfg.task._target_}) gives one loss per optimizer, which strategy=fsdp does not run (its "
                "gradients are reduced in each backward pass); use strategy=ddp")

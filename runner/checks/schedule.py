@@ -133,7 +133,6 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
     when they are not known here): its arithmetic runs at its steps, and the rates it gives must train."""
     from runner.schedulers import learning_rates
 
-    from runner.loop.optimizers import OptimizerSet
     from runner.values import optimizer_nodes
 
     probes = []
@@ -145,7 +144,12 @@ def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = Non
             return
     if None in probes:
         return
-    optimizer = probes[0] if len(probes) == 1 and "_target_" in cfg.optimizer else OptimizerSet(probes)
+    if len(probes) == 1 and "_target_" in cfg.optimizer:
+        optimizer = probes[0]
+    else:
+        from runner.loop.optimizers import OptimizerSet  # the loop package: only where several optimizers are named
+
+        optimizer = OptimizerSet(probes)
     steps = list(_check_scheduler_steps(cfg))
     if steps:
         yield from steps
