@@ -36,6 +36,27 @@ def wrong_type(override: Any, error: Any) -> str:
     return f"{key}={typed} is not {takes} ({key} takes {takes}{optional}{hint})"
 
 
+def unknown_key(override: Any, cfg: DictConfig) -> str:
+    """`trainer.precision=bf16-mixed: the config has no key trainer.precision (precision is a config group: ...)`,
+    for an override of a key the config lacks (Hydra's six lines suggest `+key`, which the checks then refuse for a
+    schema's keys)."""
+    from runner.checks.keys import group_options
+    from runner.config import CONFIG_DIR
+    from runner.values import suggest
+
+    key = override.key_or_group
+    typed = (override.input_line or "").partition("=")[2]
+    parent, _, name = key.rpartition(".")
+    options = group_options(name, CONFIG_DIR)
+    if options:
+        return (f"{key}={typed}: the config has no key {key} ({name} is a config group: {name}=<option>, one of "
+                f"{', '.join(options)})")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = [str(k) for k in node] if OmegaConf.is_dict(node) else []
+    hint = suggest(name, siblings).replace("did you mean ", f"did you mean {parent}." if parent else "did you mean ")
+    return f"{key}={typed}: the config has no key {key}{hint}; +{key}={typed} adds one, where its group takes it"
+
+
 @contextlib.contextmanager
 def wrong_types_in_one_line() -> Iterator[None]:
     """A value of the wrong type for a typed key (`trainer.max_steps=abc`, also in a sweep's `abc,5`) is one line,
@@ -44,7 +65,7 @@ def wrong_types_in_one_line() -> Iterator[None]:
     while the command line runs: `runner.compose` keeps raising Hydra's exception to its caller."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import ValidationError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     merge = ConfigLoaderImpl.__dict__["_apply_overrides_to_config"]
 
@@ -53,9 +74,13 @@ def wrong_types_in_one_line() -> Iterator[None]:
             try:
                 merge.__func__([override], cfg)
             except ConfigCompositionException as error:
-                if not isinstance(error.__cause__, ValidationError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                cause = error.__cause__
+                unknown = isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and not (
+                    override.is_add() or override.is_force_add() or override.is_delete())
+                if not (isinstance(cause, ValidationError) or unknown) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                print(f"error: {wrong_type(override, error.__cause__)}", file=sys.stderr)
+                line = unknown_key(override, cfg) if unknown else wrong_type(override, cause)
+                print(f"error: {line}", file=sys.stderr)
                 raise SystemExit(1) from None
 
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)

@@ -175,8 +175,6 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     with precision.module_init_context():
         model = build.build_model(cfg)
     setup_module(model, view)  # a LightningModule: its trainer view, setup(stage), configure_model()
-    if strategy.is_global_zero:
-        record_model(model, run_dir)  # model.json: what runner.export --format hf / lightning reads, as data
     task = TaskModule(precision.convert_module(model), build.build_task(cfg), precision)
     strategy.module_to_device(task)
     compile_arguments = build.compile_arguments(cfg)
@@ -205,6 +203,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     stage = cfg.get("stage", "fit")
     if stage != "fit":
         beat.pause()  # an evaluation stage has no steps to watch
+    if strategy.is_global_zero:  # once everything is built: a run refused before its loop leaves no trace
+        record_model(model, run_dir)  # model.json: what runner.export --format hf / lightning reads, as data
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
     try:

@@ -150,11 +150,6 @@ def test_batch_hooks_under_accumulation_come_in_lightnings_order(tmp_path: Path)
     assert (tmp_path / "hooks").read_text().splitlines() == LIGHTNING_ORDER
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trainer.precision=bf16-mixed (Lightning's Trainer argument, lightning-hydra-template's trainer.precision) "
-    "prints Hydra's six lines (Could not override 'trainer.precision'. To append to your config use "
-    "+trainer.precision=...): runner/hydra_hooks.py's one_by_one turns only a ValidationError into one line, not the "
-    "ConfigKeyError of a key the trainer schema lacks; with the + the checks already say it in one line"))
 def test_lightnings_trainer_precision_key_is_one_line_naming_the_precision_group(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     base = [o for o in TINY if not o.startswith("logger.")]

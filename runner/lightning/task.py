@@ -59,6 +59,7 @@ class LightningTask(Task):
         self.step_records: list = []  # (output, batch, batch_idx) of the step's micro-batches, for on_train_batch_end
         self.manual = False  # manual optimization: training_step back-propagates itself; its loss is only reported
         self.predicted = 0  # the batches predict_step was given on this process (its batch_idx)
+        self._checked: Any = None  # the module whose steps were found runnable (hooks bound, not on the meta device)
 
     @property
     def extra_stats(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -69,9 +70,11 @@ class LightningTask(Task):
         return None  # counted from the step's output: the gradients are rescaled by the step's units (StepWeights)
 
     def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: Any) -> dict[str, Any]:
-        first = next(model.parameters(), None)
-        if self.hooks is None or (first is not None and first.is_meta):  # a trial build, a FLOP count
-            raise NotTriedOnMeta("a LightningModule's steps run in the worker only, with its trainer and hooks")
+        if model is not self._checked:  # once per module: a parameter look-up per step costs
+            first = next(model.parameters(), None)
+            if self.hooks is None or (first is not None and first.is_meta):  # a trial build, a FLOP count
+                raise NotTriedOnMeta("a LightningModule's steps run in the worker only, with its trainer and hooks")
+            self._checked = model
         with precision.forward_context():
             batch = precision.convert_input(batch)
             return self._train(model, batch) if model.training else self._evaluate(model, batch)

@@ -245,6 +245,8 @@ class StepWeights:
         local = torch.cat(stats).double()[:, UNITS].sum()
         total = float(self.strategy.all_reduce(local, reduce_op="sum"))
         factor = self.strategy.world_size / (self.sample_scale * max(total, 1.0))
+        if factor == 1.0:  # the common case (every unit counted as assumed): no list of gradients to build
+            return
         grads = [p.grad for p in parameters if p.grad is not None]
-        if grads and factor != 1.0:
+        if grads:
             torch._foreach_mul_(grads, factor)
