@@ -95,6 +95,14 @@ def test_fsdp_shards_and_sgd_keeps_one_state() -> None:
     assert ddp["weights_bytes"] == n * 4 and ddp["optimizer_state_bytes"] == 2 * n * 4
 
 
+def test_named_optimizers_keep_each_its_own_states_over_its_part() -> None:
+    """optimizer=parts: AdamW's two states over the hidden layers, SGD's momentum over the classifier (net.4)."""
+    found = check_config(["optimizer=parts", "accelerator=cpu", "model.depth=2", "model.hidden=128"])
+    classifier = 128 * 4 + 4  # net.4: 128 x 4 weights and 4 biases
+    hidden = found["parameters"] - classifier
+    assert found["optimizer_state_bytes"] == (2 * hidden + classifier) * 4
+
+
 def test_a_sweep_preset_is_checked_as_one_config(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     code, out = run_main(["stage=check", "experiment=lr_sweep"], monkeypatch, capsys)

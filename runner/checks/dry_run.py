@@ -170,7 +170,7 @@ def measure(cfg: DictConfig, data: Any) -> dict:
     total = sum(p.numel() for p in parameters)
     flops, why_not = _gflop_per_sample(cfg, model, data)
     findings = {"parameters": total, "trainable": trainable, "gflop_per_sample": flops, "flops_not_counted": why_not}
-    findings.update(per_process_memory(cfg, total, trainable))
+    findings.update(per_process_memory(cfg, total, trainable, optimizer_state_elements(cfg, model, trainable)))
     return findings
 
 
@@ -195,7 +195,7 @@ def _gflop_per_sample(cfg: DictConfig, model: Any, data: Any) -> tuple[Optional[
     return (flops / len(samples) / 1e9, "") if samples and flops else (None, "no matrix products counted")
 
 
-def per_process_memory(cfg: DictConfig, total: int, trainable: int) -> dict:
+def per_process_memory(cfg: DictConfig, total: int, trainable: int, state_elements: Optional[int]) -> dict:
     """Bytes of weights, gradients and optimizer state in each process: ddp (and dp, single) keeps all of them in
     every process, fsdp a 1/world-size share; optimizer state None where its class is not known here."""
     strategy = build_strategy(cfg)
@@ -210,24 +210,43 @@ def per_process_memory(cfg: DictConfig, total: int, trainable: int) -> dict:
     share = world if name == "fsdp" else 1
     precision = str(cfg.precision.get("precision", "32-true"))
     size = _BYTES.get(precision, 4)
-    states = _optimizer_states(cfg)
     return {"strategy": name, "world_size": world, "precision": precision,
             "weights_bytes": total * size / share, "gradients_bytes": trainable * size / share,
-            "optimizer_state_bytes": None if states is None else states * trainable * size / share}
+            "optimizer_state_bytes": None if state_elements is None else state_elements * size / share}
 
 
-def _optimizer_states(cfg: DictConfig) -> Optional[int]:
+def optimizer_state_elements(cfg: DictConfig, model: Any, trainable: int) -> Optional[int]:
+    """The numbers the optimizer keeps per process before sharding: its states per parameter times the trainable
+    parameters, for each named optimizer over its own part; None where an optimizer's class is not known here."""
     from runner.lightning import is_lightning_config
+    from runner.values import named_optimizers
 
     if is_lightning_config(cfg) or "optimizer" not in cfg or cfg.optimizer is None:
         return None  # a LightningModule's configure_optimizers() chooses
+    parts = named_optimizers(cfg.optimizer)
+    if parts is None:
+        states = _optimizer_states(cfg.optimizer)
+        return None if states is None else states * trainable
+    from runner.loop.optimizers import assign_parts
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    taken, problems = assign_parts(model, parts)
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    counts = [_optimizer_states(node) for node in parts.values()]
+    if problems or None in counts:
+        return None
+    return sum(states * sum(sizes[n] for n in taken[name]) for states, name in zip(counts, parts))
+
+
+def _optimizer_states(node: Any) -> Optional[int]:
     try:
-        target = get_method(str(cfg.optimizer._target_))
+        target = get_method(str(node._target_))
     except Exception:  # noqa: BLE001
         return None
     for kind, states, extra in _OPTIMIZER_STATES:
         if isinstance(target, type) and issubclass(target, kind):
-            return states + (1 if extra and cfg.optimizer.get(extra) else 0)
+            return states + (1 if extra and node.get(extra) else 0)
     return None
 
 
