@@ -231,11 +231,28 @@ def build_task(cfg: DictConfig) -> Any:
 _NOT_SIZES = ("seed", "num_workers", "num_samples", "val_samples", "batch_size")
 
 
-def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
-    """What goes wrong when two samples of the data pass through the model and task on the meta device.
+# A model this small is tried on the CPU rather than the meta device: its real kernels over two samples cost less
+# than the machinery torch's meta kernels import at their first call (sympy, ~0.3 s of CPU).
+TRIAL_ON_CPU_PARAMETERS = 1 << 22
 
-    Shapes only: no memory, no initialisation, and the random number generators are left as they were.
-    None when they fit, or when the model or its operations cannot run on the meta device (the worker then
+
+def trial_model(cfg: DictConfig) -> tuple[Any, str]:
+    """(the model, its device) for a trial over two samples: built on the meta device (shapes only, no memory), or,
+    with at most TRIAL_ON_CPU_PARAMETERS parameters, on the CPU. The caller keeps the random generators as they were."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    if not isinstance(model, torch.nn.Module) or sum(p.numel() for p in model.parameters()) > TRIAL_ON_CPU_PARAMETERS:
+        return model, "meta"
+    with torch.device("cpu"):
+        return build_model(cfg), "cpu"
+
+
+def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
+    """What goes wrong when two samples of the data pass through the model and task on the meta device (a small
+    model on the CPU: `trial_model`).
+
+    Shapes only for a large model (no memory, no initialisation); the random number generators are left as they
+    were. None when they fit, or when the model or its operations cannot run on the meta device (the worker then
     reports its own errors).
     """
     from runner.data import collate
@@ -247,9 +264,8 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
         try:
             dataset = data.train_dataset
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
-            batch = apply_to_tensors(getattr(data, "collate_fn", collate)(samples), lambda t: t.to("meta"))
-            with torch.device("meta"):
-                model = build_model(cfg)
+            model, device = trial_model(cfg)
+            batch = apply_to_tensors(getattr(data, "collate_fn", collate)(samples), lambda t: t.to(device))
             module = TaskModule(model, build_task(cfg), Precision())
         except Exception:  # noqa: BLE001 - built for real by the worker, which reports its own errors
             return None

@@ -116,8 +116,9 @@ def _meta(tensor: Optional[torch.Tensor], memo: dict) -> Optional[torch.Tensor]:
     return memo[id(tensor)]
 
 
-def count_flops(task_module: nn.Module, batch: Any) -> int:
-    """FLOPs of the forward and backward pass of `task_module` (a TaskModule) on `batch`, counted on the meta device.
+def count_flops(task_module: nn.Module, batch: Any, on_meta: bool = True) -> int:
+    """FLOPs of the forward and backward pass of `task_module` (a TaskModule) on `batch`, counted on the meta device
+    (`on_meta=False`: on the module and batch as they are, for a model built for the trial on the CPU).
 
     Nothing runs on the real device and no random number generator moves, so training is unchanged. Matrix
     products and attention are counted (torch's FlopCounterMode); elementwise work is not, as in MFU's convention.
@@ -128,8 +129,9 @@ def count_flops(task_module: nn.Module, batch: Any) -> int:
     from runner.tasks import TaskModule
 
     # A copy of the task: its first-batch checks must still run on the first real batch.
-    twin = TaskModule(meta_twin(task_module.model), copy.copy(task_module.task), Precision())
-    meta_batch = apply_to_tensors(batch, lambda t: t.to("meta"))
+    model = meta_twin(task_module.model) if on_meta else task_module.model
+    twin = TaskModule(model, copy.copy(task_module.task), Precision())
+    meta_batch = apply_to_tensors(batch, lambda t: t.to("meta")) if on_meta else batch
     with torch.random.fork_rng(devices=[]), FlopCounterMode(display=False) as counter:
         twin(meta_batch)["loss"].sum().backward()
     return counter.get_total_flops()

@@ -197,3 +197,25 @@ def test_the_command_ends_through_the_exit_handlers(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("check: ok") and done.stdout.endswith("\n")
     assert (tmp_path / "exit-handler-ran").read_text() == "yes"
+
+
+def test_a_small_model_is_tried_on_the_cpu_without_the_meta_kernels_imports(tmp_path: Path) -> None:
+    """The default model (21k parameters) passes its first batch and its FLOP count on the CPU: the check imports
+    neither sympy nor torch._dynamo, which torch's meta kernels bring in at their first call; the FLOPs are those
+    counted on the meta device."""
+    code = ("import sys; from runner.cli import main\nsys.argv = ['runner', 'stage=check']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=clean_environ(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    from runner.build import build_data
+    from runner.flops import count_flops
+    from runner.precision import Precision
+    from runner.tasks import TaskModule
+
+    cfg = runner.compose(["accelerator=cpu"])
+    data = build_data(cfg)
+    batch = torch.stack([data.train_dataset[i][0] for i in range(2)]), torch.tensor([0, 1])
+    module = TaskModule(runner.build.build_model(cfg), runner.build.build_task(cfg), Precision())
+    assert count_flops(module, batch) == count_flops(module, batch, on_meta=False) > 0

@@ -20,7 +20,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.build import (build_accelerator, build_data, build_environment, build_model, build_strategy, build_task,
-                          devices_setting, handing_over_data, python_rng_kept)
+                          devices_setting, handing_over_data, python_rng_kept, trial_model)
 from runner.checks import validate
 from runner.config import ConfigError
 from runner.values import one_line
@@ -189,7 +189,9 @@ def _gflop_per_sample(cfg: DictConfig, model: Any, data: Any) -> tuple[Optional[
     samples = [dataset[i] for i in range(min(2, len(dataset)))]
     try:
         batch = (getattr(data, "collate_fn", None) or collate)(samples)
-        flops = count_flops(TaskModule(model, build_task(cfg), Precision()), batch)
+        with torch.random.fork_rng(devices=[]), python_rng_kept():
+            model, device = trial_model(cfg)  # a small model on the CPU: no meta kernels to import
+            flops = count_flops(TaskModule(model, build_task(cfg), Precision()), batch, on_meta=device == "meta")
     except Exception as error:  # noqa: BLE001 - e.g. a model calling .item(), which the meta device cannot run
         return None, f"the model does not run on the meta device ({one_line(error)[:120]})"
     return (flops / len(samples) / 1e9, "") if samples and flops else (None, "no matrix products counted")
