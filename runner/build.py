@@ -231,17 +231,20 @@ def build_task(cfg: DictConfig) -> Any:
 _NOT_SIZES = ("seed", "num_workers", "num_samples", "val_samples", "batch_size")
 
 
-# A model this small is tried on the CPU rather than the meta device: its real kernels over two samples cost less
-# than the machinery torch's meta kernels import at their first call (sympy, ~0.3 s of CPU).
+# A model this small, for a run on the CPU, is tried on the CPU rather than the meta device: its real kernels over
+# two samples cost less than the machinery torch's meta kernels import at their first call (sympy, ~0.3 s of CPU).
+# A run on another device keeps the meta device: its model may hold kernels of that device alone.
 TRIAL_ON_CPU_PARAMETERS = 1 << 22
 
 
 def trial_model(cfg: DictConfig) -> tuple[Any, str]:
     """(the model, its device) for a trial over two samples: built on the meta device (shapes only, no memory), or,
-    with at most TRIAL_ON_CPU_PARAMETERS parameters, on the CPU. The caller keeps the random generators as they were."""
+    for a CPU run with at most TRIAL_ON_CPU_PARAMETERS parameters, on the CPU. The caller keeps the random generators
+    as they were."""
     with torch.device("meta"):
         model = build_model(cfg)
-    if not isinstance(model, torch.nn.Module) or sum(p.numel() for p in model.parameters()) > TRIAL_ON_CPU_PARAMETERS:
+    if (not isinstance(model, torch.nn.Module) or sum(p.numel() for p in model.parameters()) > TRIAL_ON_CPU_PARAMETERS
+            or build_accelerator(cfg).device_type != "cpu"):
         return model, "meta"
     with torch.device("cpu"):
         return build_model(cfg), "cpu"

@@ -20,10 +20,12 @@ MARGIN_S = 60
 
 
 class HangFirstStep(HangFirstForward):
-    """HangFirstForward past the data checks (a forward on the meta device): it hangs in the first step itself."""
+    """HangFirstForward past the data checks (a forward without gradients, on the CPU or the meta device) and the
+    FLOP count (on the meta device): it hangs in the first step itself."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) if x.device.type == "meta" else super().forward(x)
+        trial = x.device.type == "meta" or not torch.is_grad_enabled()
+        return self.linear(x) if trial else super().forward(x)
 
 
 @pytest.mark.parametrize(("fault", "rank", "where"), [
