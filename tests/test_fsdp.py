@@ -51,7 +51,7 @@ def assert_same_state(a: dict, b: dict, atol: float = 1e-5) -> None:
                                        msg=f"optimizer state {index}.{name} differs")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per test process, wherever its tests land in it
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The straight runs: FSDP and DDP on 2 processes, 12 steps each, checkpoints at 6 and 12."""
     root = tmp_path_factory.mktemp("fsdp")

@@ -65,24 +65,34 @@ def test_prepare_data_that_raises_under_ddp_is_said_once(tmp_path: Path) -> None
     assert stderr.count("raised ValueError: injected failure in prepare_data") == 1, stderr
 
 
+SLOW_EVAL = ("model._target_=faulty_more.SlowEval", "+model.delay=0.5", "data.val_samples=16")
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint both predict runs take (trained once per test process: the module's tests may interleave with
+    others')."""
+    folder = tmp_path_factory.mktemp("trained")
+    assert start(folder / "run", *TINY, *SLOW_EVAL, "trainer.max_steps=2", cwd=folder).wait(timeout=120) == 0
+    return folder / "run" / "checkpoints" / "last.ckpt"
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("predict_sigterm")
 @pytest.mark.parametrize("processes", [(), DDP2], ids=["1-process", "ddp-2"])
-def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictions(tmp_path: Path,
+def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictions(tmp_path: Path, trained: Path,
                                                                                    processes: tuple) -> None:
-    """predict ran on to its last batch and wrote predictions.pt as if complete (1 s a batch: a 16 s pass)."""
-    slow = ("model._target_=faulty_more.SlowEval", "+model.delay=1.0", "data.test_samples=256", "data.val_samples=16")
-    trained = tmp_path / "trained"
-    assert start(trained, *TINY, *slow, "trainer.max_steps=2", cwd=tmp_path).wait(timeout=120) == 0
+    """predict ran on to its last batch and wrote predictions.pt as if complete (0.5 s a batch: an 8 s pass)."""
     run_dir = tmp_path / "predict"
-    job = start(run_dir, *processes, *TINY, *slow, "stage=predict",
-                f"trainer.ckpt_path={trained / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path)
+    job = start(run_dir, *processes, *TINY, *SLOW_EVAL, "data.test_samples=256", "stage=predict",
+                f"trainer.ckpt_path={trained}", cwd=tmp_path)
     log = run_dir / "runner.log"
     assert wait_for(lambda: log.exists() and "stage=predict with the weights" in log.read_text(), 90)
-    time.sleep(2)
+    time.sleep(1)
     started = time.monotonic()
     os.kill(job.pid, signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)
-    assert time.monotonic() - started < 8, stderr  # a batch or two, not the rest of the pass
+    assert time.monotonic() - started < 6, stderr  # a batch or two, not the rest of the pass
     assert job.returncode == 128 + signal.SIGTERM, stderr
     assert "stopped by SIGTERM during stage=predict before its end: it wrote no predictions.pt; run it again" in stderr
     assert not (run_dir / "predictions.pt").exists()

@@ -49,7 +49,7 @@ def _assert_same_weights(found: dict[str, torch.Tensor], expected: dict[str, tor
         torch.testing.assert_close(found[name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per test process, wherever its tests land in it
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """1 process x 16, and 2 DDP processes x 8 with and without sync_batchnorm: the same global batches."""
     root = tmp_path_factory.mktemp("sync_batchnorm")
