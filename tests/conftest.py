@@ -147,7 +147,10 @@ def _destroy_process_group():
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Runs configure the root logger (run-folder log files), the runner's own logger (its files and console, no
-    propagation) and torch flags; put them back, so that a later test's output reaches its own capture."""
+    propagation) and torch flags; each test starts from the loggers as this test process first had them (a run in a
+    module or session fixture, set up before this, changes them too), and they are put back after it, so that a
+    test's output reaches its own capture."""
+    _pristine_loggers()
     root, runner_log = logging.getLogger(), logging.getLogger("runner")
     handlers, level = list(root.handlers), root.level
     runner_state = (list(runner_log.handlers), runner_log.level, runner_log.propagate)
@@ -165,6 +168,23 @@ def _restore_global_state():
     torch.use_deterministic_algorithms(deterministic)
     torch.set_default_dtype(dtype)
     GlobalHydra.instance().clear()
+
+
+# The root and runner loggers as this test process had them when the tests were collected.
+_PRISTINE = {name: (list(logging.getLogger(name).handlers), logging.getLogger(name).level,
+                    logging.getLogger(name).propagate) for name in ("", "runner")}
+
+
+def _pristine_loggers() -> None:
+    """The root and runner loggers back to _PRISTINE, closing the handlers added since (pytest's own capture
+    handlers on the root logger are kept: they belong to the running test)."""
+    for name, (handlers, level, propagate) in _PRISTINE.items():
+        log = logging.getLogger(name)
+        keep = [h for h in log.handlers if h in handlers or type(h).__module__.startswith("_pytest")]
+        for handler in log.handlers:
+            if handler not in keep:
+                handler.close()
+        log.handlers, log.level, log.propagate = keep, level, propagate
 
 
 def val_loss_of(cfg: DictConfig, weights: dict) -> float:
