@@ -231,6 +231,16 @@ def build_task(cfg: DictConfig) -> Any:
 _NOT_SIZES = ("seed", "num_workers", "num_samples", "val_samples", "batch_size")
 
 
+def meta_model(cfg: DictConfig) -> Any:
+    """The config's model built on the meta device (shapes only, the random generators left as they were), for the
+    checks before launch; None when the meta device cannot build it (the workers then report what fails)."""
+    try:
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            return build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+        return None
+
+
 # A model this small, for a run on the CPU, is tried on the CPU rather than the meta device: its real kernels over
 # two samples cost less than the machinery torch's meta kernels import at their first call (sympy, ~0.3 s of CPU).
 # A run on another device keeps the meta device: its model may hold kernels of that device alone.

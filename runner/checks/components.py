@@ -16,7 +16,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
 from runner.build import (NO_DECAY, build_accelerator, build_environment, build_model, build_task,
-                          compile_arguments, devices_setting, no_decay_matches, python_rng_kept)
+                          compile_arguments, devices_setting, meta_model, no_decay_matches, python_rng_kept)
 from runner.checks.signatures import strategy_class
 from runner.values import one_line, suggest
 
@@ -94,11 +94,7 @@ def check_trainable(cfg: DictConfig) -> Iterator[str]:
     entries, problem = _no_decay_entries(cfg)
     if problem:
         yield problem
-    try:
-        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
-            model = build_model(cfg)
-    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
-        return
+    model = meta_model(cfg)
     if not isinstance(model, torch.nn.Module):
         return
     parameters = list(model.parameters())

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_model, python_rng_kept
+from runner.build import meta_model
 from runner.checks.signatures import is_fsdp
 
 
@@ -30,10 +29,8 @@ def check_fsdp(cfg: DictConfig) -> Iterator[str]:
     yield from problems
     if problems:
         return
-    try:
-        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
-            model = build_model(cfg)
-    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
+    model = meta_model(cfg)
+    if model is None:
         return
     for key, names in (("shard", [] if shard == "auto" else shard), ("activation_checkpointing", checkpointing)):
         missing = sorted(set(names) - set(fsdp.module_classes(model)))

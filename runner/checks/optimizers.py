@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from omegaconf import DictConfig
 
-from runner.build import NO_DECAY, build_model, no_decay_matches, python_rng_kept
+from runner.build import NO_DECAY, meta_model, no_decay_matches
 from runner.checks.signatures import is_fsdp
 from runner.values import named_optimizers
 
@@ -23,11 +23,7 @@ def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
         yield (f"task ({cfg.task._target_}) gives one loss per optimizer, which strategy=fsdp does not run (its "
                "gradients are reduced in each backward pass); use strategy=ddp")
         return
-    try:
-        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
-            model = build_model(cfg)
-    except Exception:  # noqa: BLE001 - a model the meta device cannot build is checked in the workers
-        return
+    model = meta_model(cfg)
     if not isinstance(model, torch.nn.Module):
         return
     taken, problems = assign_parts(model, parts)
