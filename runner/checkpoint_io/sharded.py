@@ -118,6 +118,10 @@ def write(tensors: dict, rest: Optional[dict], tmp: Path, process_group: Any = N
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's gathers every rank's failures
         if rest is not None:  # every rank is past its writes (DCP gathers them before raising): free the space
             remove_path(tmp)
+        if isinstance(err, CheckpointException) and dist.is_initialized():
+            # Every rank raised the gathered failure: each measures the free space after rank 0 freed it, so all
+            # say the same figure (and the launcher says the message once).
+            dist.barrier(group=process_group)
         raise CheckpointError(f"{write_reason(err, tmp.parent)}") from None
 
 
