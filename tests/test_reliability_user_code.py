@@ -58,6 +58,7 @@ def test_a_sample_that_raises_under_ddp_names_the_rank_once(tmp_path: Path) -> N
     assert re.search(r"rank \d failed:\nreading a batch of data\.train_dataset raised ValueError", stderr), stderr
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_prepare_data_that_raises_under_ddp_is_said_once(tmp_path: Path) -> None:
     stderr = _fails_in_one_line(tmp_path / "run", (*DDP2, "data._target_=faulty_more.Hooks", "+data.what=raise"),
