@@ -18,7 +18,7 @@ same for both and left out). Per block of `--steps` steps (about 30 ms: the bloc
 load on a shared CPU): this thread's CPU time and the wall time; rounds alternate A B C, C B A; the ratio is taken
 per round.
 
-    python benchmarks/lightning_step.py --proposed --json benchmarks/results/run17-lightning-step.json
+    python benchmarks/lightning_step.py --json benchmarks/results/run19-lightning-step.json
     python benchmarks/lightning_step.py --pieces        # the adapter's extra pieces alone
     py-spy record --format raw -o lit.txt -- python benchmarks/lightning_step.py --only lightning --sizes small
     python benchmarks/lightning_step.py --spy-summary lit.txt   # the step's share in each piece
@@ -27,8 +27,6 @@ per round.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
 import itertools
 import json
 import platform
@@ -100,101 +98,6 @@ class ModelBench(nn.Module):
 
 
 
-# -- the changes proposed for the adapter, applied to one loop's objects (`--proposed`) -----------------------------
-# What the profile of the LightningModule's step found beyond task=model's (see the results' log), each undone here:
-#  1. runner/tasks/base.py, StepWeights.finish: the step's units come from the module's output (LightningTask.units
-#     is None), so every step lists every parameter's gradient, then multiplies by a factor that is 1.0 whenever the
-#     units are the batch's samples; listing only when the factor is not 1.0 saves the walk over the module tree.
-#  2. runner/lightning/task.py, LightningTask.forward: `next(model.parameters())` (the meta-device trial's check)
-#     walks the module tree each step; once per model object is enough.
-#  3. runner/lightning/task.py, LightningTask._train and extra_stats: the row alternates numbers (weights) and
-#     tensors (values), so stats_row makes one small tensor per logged name; the weights' columns before the
-#     values' make it one.
-PROPOSED_AGAINST = "c9c951d72ca5"  # the source of what the proposal copies, as of 0a9a40d
-
-
-def apply_proposed(loop: Any) -> None:
-    from runner.lightning.task import LightningTask
-    from runner.tasks.base import StepWeights
-
-    task = loop.task.task
-    if not isinstance(task, LightningTask):
-        raise TypeError(f"--proposed applies to a LightningTask, not {type(task).__name__}")
-    source = hashlib.sha256("".join(inspect.getsource(f) for f in (LightningTask._train, LightningTask.forward,
-                                                                   StepWeights.finish)).encode()).hexdigest()[:12]
-    if source != PROPOSED_AGAINST:
-        raise SystemExit(f"--proposed: LightningTask._train/forward or StepWeights.finish changed (source {source}, "
-                         f"the proposal copies {PROPOSED_AGAINST}); update the proposal before measuring it")
-    task.__class__ = _proposed_task_class(LightningTask)
-    weights = loop.train_step.weights
-    weights.finish = _proposed_finish.__get__(weights)
-
-
-def _proposed_task_class(base: type) -> type:
-    from runner.lightning.task import LOSS_UNITS, WEIGHT, NotTriedOnMeta, _loss
-    from runner.tasks.base import leading_size, stats_row
-
-    class Proposed(base):  # type: ignore[misc, valid-type]
-        @property
-        def extra_stats(self) -> tuple[str, ...]:
-            names = self._train_names or ()
-            return ("lightning_val", "lightning_test", LOSS_UNITS, *(n + WEIGHT for n in names), *names)
-
-        def forward(self, model: nn.Module, batch: Any, precision: Any, with_preds: Any) -> dict[str, Any]:
-            if model is not getattr(self, "_tried", None):
-                first = next(model.parameters(), None)
-                if self.hooks is None or (first is not None and first.is_meta):
-                    raise NotTriedOnMeta("a LightningModule's steps run in the worker only")
-                self._tried = model
-            with precision.forward_context():
-                batch = precision.convert_input(batch)
-                return self._train(model, batch) if model.training else self._evaluate(model, batch)
-
-        def _train(self, model: nn.Module, batch: Any) -> dict[str, Any]:
-            hooks, recorder = self.hooks, self.hooks.recorder
-            batch_idx = hooks.train_batch_index()
-            with recorder.recording("train", "training_step") as logged:
-                hooks.before_train_batch(batch, batch_idx)
-                output = model.training_step(batch, batch_idx)
-                size = recorder.batch_size
-            loss = _loss(output, "training_step", optional=True)
-            samples = leading_size(batch)
-            units = size if size is not None else samples
-            weights, values = [], []
-            for name in self._learn(logged):
-                item = logged.get(name)
-                value = None if item is None else self._train_value(name, item)
-                weights.append(0 if value is None else (item.batch_size if item.batch_size is not None else units))
-                values.append(0.0 if value is None else value * weights[-1])
-            loss_units = 0 if loss is None else units
-            if loss is None and self.manual:
-                loss_sum = torch.zeros((), device=hooks.strategy.root_device)
-            elif loss is None:
-                loss_sum, units, samples = hooks.no_loss(model), 0, 0
-            else:
-                loss_sum = loss.float() * units
-            if hooks.keeps_step_outputs:
-                self.step_records.append((output, batch, batch_idx))
-            return {"loss": loss_sum,
-                    "stats": stats_row(samples, units, loss_sum, 0, 0, loss_units, *weights, *values)}
-
-    return Proposed
-
-
-def _proposed_finish(self: Any, parameters: Any, stats: list[torch.Tensor]) -> None:
-    from runner.tasks.base import UNITS
-
-    if not self._rescale:
-        return
-    local = torch.cat(stats).double()[:, UNITS].sum()
-    total = float(self.strategy.all_reduce(local, reduce_op="sum"))
-    factor = self.strategy.world_size / (self.sample_scale * max(total, 1.0))
-    if factor != 1.0:
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -205,11 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="steps of each variant before timing")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--proposed", action="store_true",
-                   help="a third variant: the LightningModule with the changes proposed for the adapter applied")
     p.add_argument("--pieces", action="store_true",
                    help="instead: the adapter's per-step pieces that the profile names, each alone (fastest of 5)")
-    p.add_argument("--only", choices=("model", "lightning", "lightning+proposed"), default=None,
+    p.add_argument("--only", choices=("model", "lightning"), default=None,
                    help="instead: run --run-steps steps of one variant of the first size, for a profiler to record")
     p.add_argument("--run-steps", type=int, default=4000)
     p.add_argument("--spy-summary", nargs="+", type=Path, default=None,
@@ -305,9 +206,7 @@ def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
     batch = (torch.randn(batch_size, features, generator=generator),
              torch.randint(0, classes, (batch_size,), generator=generator))
     loops = {v: build_loop(compose(size, v.split("+")[0], args.log_every), Path(tempfile.mkdtemp()))
-             for v in ("model", "lightning", *(["lightning+proposed"] if args.proposed else []))}
-    if args.proposed:
-        apply_proposed(loops["lightning+proposed"])
+             for v in ("model", "lightning")}
     steps = {v: stepper(loop, batch) for v, loop in loops.items()}
     same = check_same(loops, steps, args.log_every)
     for run in steps.values():
@@ -379,10 +278,10 @@ def summary(times: dict[str, list[float]], variant: str) -> dict[str, Any]:
 
 def pieces() -> dict[str, float]:
     """Microseconds per call of what the LightningModule's step does beyond task=model's, each alone on a built
-    loop (the small size), with what the proposal does instead: the fastest of 5 repeats, which a shared CPU
-    disturbs least."""
+    loop (the small size): the fastest of 5 repeats, which a shared CPU disturbs least."""
     import timeit
 
+    from runner.lightning.task import _row
     from runner.tasks.base import stats_row
 
     features, _, _, classes, batch_size = SIZES["small"]
@@ -393,7 +292,6 @@ def pieces() -> dict[str, float]:
         run()
     task, value = loop.task, torch.tensor(0.5)
     recorder = loop.callbacks.by_name["lightning"].recorder
-    stats = [torch.zeros(1, len(task.task.stat_names))]
 
     def logged() -> None:
         with recorder.recording("train", "training_step"):
@@ -401,19 +299,12 @@ def pieces() -> dict[str, float]:
             task.model.log("train/acc", task.model.train_acc, on_step=True, prog_bar=True)
 
     variants = {
-        "LightningTask.forward: next(model.parameters()) (proposal: once per model)": lambda: next(
-            task.model.parameters(), None),
-        "StepWeights.finish: the gradients' list (proposal: only when the factor is not 1)": lambda: [
-            p.grad for p in task.parameters() if p.grad is not None],
-        "StepWeights.finish: the units' sum and its float (kept)": lambda: float(
-            torch.cat(stats).double()[:, 1].sum()),
-        "stats_row of a LightningModule logging 2 names (weights between values)": lambda: stats_row(
-            64, 64, value, 0, 0, 64, value, 64, value, 64),
-        "stats_row, the same columns, weights before values (proposal)": lambda: stats_row(
-            64, 64, value, 0, 0, 64, 64, 64, value, value),
-        "stats_row of task=model logging 1 name (the baseline's)": lambda: stats_row(64, 64, value, value),
-        "2 self.log calls (a tensor, a Metric) inside recording() (kept)": logged,
-        "a logged value times its weight (kept, one per name)": lambda: value * 64,
+        "the statistics row of a LightningModule logging 2 names (_row)": lambda: _row(
+            [64, 64, 0, 0, 64, 64, 64], value, [value, value]),
+        "the statistics row of task=model logging 1 name (stats_row, the baseline's)": lambda: stats_row(
+            64, 64, value, value),
+        "2 self.log calls (a tensor, a Metric) inside recording()": logged,
+        "a logged value times its weight (one per name)": lambda: value * 64,
     }
     return {name: min(timeit.repeat(fn, number=5000, repeat=5)) / 5000 * 1e6 for name, fn in variants.items()}
 
@@ -425,9 +316,7 @@ def run_only(args: argparse.Namespace) -> None:
     generator = torch.Generator().manual_seed(1)
     batch = (torch.randn(batch_size, features, generator=generator),
              torch.randint(0, classes, (batch_size,), generator=generator))
-    loop = build_loop(compose(size, args.only.split("+")[0], args.log_every), Path(tempfile.mkdtemp()))
-    if args.only == "lightning+proposed":
-        apply_proposed(loop)
+    loop = build_loop(compose(size, args.only, args.log_every), Path(tempfile.mkdtemp()))
     step = stepper(loop, batch)
     for _ in range(args.run_steps):
         step()
@@ -435,15 +324,14 @@ def run_only(args: argparse.Namespace) -> None:
 
 SPY_PIECES = [  # (what, frames that belong to it: parts of py-spy's "qualified.name (file:line)" frames)
     ("TrainStep.__call__", ("TrainStep.__call__ (",)),
-    ("  the task: LightningTask.forward, ModelTask.forward or the proposal's",
-     ("LightningTask.forward (", "ModelTask.forward (", "Proposed.forward (")),
+    ("  the task: LightningTask.forward or ModelTask.forward", ("LightningTask.forward (", "ModelTask.forward (")),
     ("    the user's step: LitBench.training_step or ModelBench.forward",
      ("LitBench.training_step (", "ModelBench.forward (")),
     ("    LightningTask.forward: next(model.parameters())", ("LightningTask.forward (runner/lightning/task.py:71)",)),
     ("    LogRecorder.log (self.log)", ("LogRecorder.log (",)),
     ("    LightningTask._train_value", ("LightningTask._train_value (",)),
-    ("    stats_row", ("stats_row (",)),
-    ("  StepWeights.finish or the proposal's", ("StepWeights.finish (", "_proposed_finish (")),
+    ("    the statistics row", ("stats_row (", "_row (")),
+    ("  StepWeights.finish", ("StepWeights.finish (",)),
     ("  backward", ("Precision.backward (",)),
     ("  optimizer step", ("Precision.optimizer_step (",)),
     ("Callbacks.call (on_train_batch_end ...)", ("Callbacks.call (",)),

@@ -20,8 +20,17 @@ _MEANS = ("mean", "avg", torch.mean)
 
 
 def is_torchmetric(value: Any) -> bool:
-    """A torchmetrics Metric, told by its classes (torchmetrics is imported by the user's module, not here)."""
-    return any(c.__name__ == "Metric" and (c.__module__ or "").startswith("torchmetrics") for c in type(value).__mro__)
+    """A torchmetrics Metric, told by its classes (torchmetrics is imported by the user's module, not here); the
+    answer is kept per class (self.log asks at every step)."""
+    kind = type(value)
+    found = _METRIC_CLASSES.get(kind)
+    if found is None:
+        found = _METRIC_CLASSES[kind] = any(c.__name__ == "Metric" and (c.__module__ or "").startswith("torchmetrics")
+                                            for c in kind.__mro__)
+    return found
+
+
+_METRIC_CLASSES: dict[type, bool] = {}
 
 
 @dataclass
@@ -85,7 +94,8 @@ def _scalar(name: str, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise BatchError(f"self.log({name!r}) got a tensor of shape {tuple(value.shape)}; log one number")
-        return value.detach().reshape(()).float()
+        value = value.detach()
+        return value if value.dtype == torch.float32 and not value.dim() else value.reshape(()).float()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise BatchError(f"self.log({name!r}) got {type(value).__name__}; log a number, a one-element tensor or a "

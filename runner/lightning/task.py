@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from runner.lightning.record import Evaluation, Logged, is_torchmetric
-from runner.tasks.base import BatchError, Task, describe, leading_size, stats_row
+from runner.tasks.base import BatchError, Task, describe, leading_size, numbers_tensor
 
 SPLITS = ("val", "test")
 STEPS = {"train": "training_step", "val": "validation_step", "test": "test_step"}
-WEIGHT = "#weight"  # the column of a logged value's weight, after its weighted sum
+WEIGHT = "#weight"  # the column of a logged value's weight (its weighted sum is the column of its name)
 LOSS_UNITS = "lightning_loss_units"  # the units of the training losses returned (none when a manual step returns none)
 
 
@@ -62,9 +62,12 @@ class LightningTask(Task):
         self._checked: Any = None  # the module whose steps were found runnable (hooks bound, not on the meta device)
 
     @property
-    def extra_stats(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("lightning_val", "lightning_test", LOSS_UNITS,
-                *(c for n in self._train_names or () for c in (n, n + WEIGHT)))
+    def stat_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        # The columns known as numbers first, those computed as tensors (the loss, the logged values) last: a row is
+        # one small tensor of the numbers and one stack of the tensors (`_row`), not one piece per column.
+        names = self._train_names or ()
+        return ("samples", "units", "lightning_val", "lightning_test", LOSS_UNITS, *(n + WEIGHT for n in names),
+                "loss", *names)
 
     def units(self, batch: Any) -> Optional[int]:
         return None  # counted from the step's output: the gradients are rescaled by the step's units (StepWeights)
@@ -94,12 +97,13 @@ class LightningTask(Task):
         samples = leading_size(batch)
         units = size if size is not None else samples
         names = self._learn(logged)
-        columns = []
+        weights, values = [], []
         for name in names:
             item = logged.get(name)
             value = None if item is None else self._train_value(name, item)
             weight = 0 if value is None else (item.batch_size if item.batch_size is not None else units)
-            columns += [0.0, 0] if value is None else [value * weight, weight]
+            weights.append(weight)
+            values.append(0.0 if value is None else value * weight)  # a tensor, or a number logged as one
         loss_units = 0 if loss is None else units
         if loss is None and self.manual:  # trained by the step itself, which reports no loss
             loss_sum = torch.zeros((), device=hooks.strategy.root_device)
@@ -109,7 +113,8 @@ class LightningTask(Task):
             loss_sum = loss.float() * units  # Lightning's mean over the batch, weighted by its size: a sum
         if hooks.keeps_step_outputs:
             self.step_records.append((output, batch, batch_idx))
-        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, 0, 0, loss_units, *columns)}
+        return {"loss": loss_sum, "stats": _row([samples, units, 0, 0, loss_units, *weights], loss_sum, values),
+                "unit_count": units}
 
     def _train_value(self, name: str, item: Logged) -> Any:
         """A logged training value; a torchmetrics Metric's is its value on this batch (what calling it returned)."""
@@ -121,7 +126,8 @@ class LightningTask(Task):
                              "the batch (self.metric(preds, target)) before logging it, so its value on the batch is "
                              "known; the runner averages it over each log window")
         self.train_metrics[id(item.value)] = item.value
-        return batch_value.detach().float().reshape(())
+        value = batch_value.detach()
+        return value if value.dtype == torch.float32 and not value.dim() else value.float().reshape(())
 
     def _learn(self, logged: dict) -> tuple[str, ...]:
         """The training metrics, fixed by the first training step (rank 0's names on every process)."""
@@ -151,9 +157,8 @@ class LightningTask(Task):
         if self.discard:  # a padding forward (FSDP's collectives): the step runs, and leaves no trace
             with recorder.recording(split, STEPS[split]), torchmetrics_kept(model):
                 getattr(model, STEPS[split])(batch, 0)
-            zeros = [0.0] * (3 + 2 * len(self._train_names or ()))
-            return {"loss": torch.zeros((), device=hooks.strategy.root_device),
-                    "stats": stats_row(torch.zeros((), device=hooks.strategy.root_device), 0, 0, *zeros)}
+            zero, count = torch.zeros((), device=hooks.strategy.root_device), len(self._train_names or ())
+            return {"loss": zero, "stats": _row([0] * (5 + count), zero, [0.0] * count)}
         evaluation = self.evaluations.get(split)
         if evaluation is None:  # a test: the runner has no hook before its first batch
             evaluation = self.open(split)
@@ -171,8 +176,8 @@ class LightningTask(Task):
         units = 0 if loss is None else (size if size is not None else samples)
         loss_sum = torch.zeros((), device=hooks.strategy.root_device) if loss is None else loss.float() * units
         flags = (1, 0) if split == "val" else (0, 1)
-        return {"loss": loss_sum, "stats": stats_row(samples, units, loss_sum, *flags, units,
-                                                     *([0.0] * 2 * len(self._train_names or ())))}
+        count = len(self._train_names or ())
+        return {"loss": loss_sum, "stats": _row([samples, units, *flags, units, *[0] * count], loss_sum, [0.0] * count)}
 
     # -- prediction ------------------------------------------------------------------------------------------------
     def predicts(self, model: nn.Module) -> bool:
@@ -251,6 +256,15 @@ def torchmetrics_kept(model: nn.Module) -> Iterator[None]:
 def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else [_copied(v) for v in value] if isinstance(
         value, list) else value
+
+
+def _row(numbers: list, loss: torch.Tensor, values: list) -> torch.Tensor:
+    """The (1, K) float32 statistics row of `stat_names`: the numbers, then the loss and the values (tensors, or
+    numbers) on the loss's device, in three tensor operations however many values there are."""
+    device = loss.device
+    tensors = [loss.detach().float(), *(v.detach().float() if isinstance(v, torch.Tensor)
+                                        else torch.tensor(float(v), device=device) for v in values)]
+    return torch.cat((numbers_tensor(numbers, device), torch.stack(tensors))).reshape(1, -1)
 
 
 def _loss(output: Any, step: str, optional: bool = False, strict: bool = True) -> Optional[torch.Tensor]:

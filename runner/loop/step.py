@@ -84,7 +84,7 @@ class TrainStep:
         mean over every unit of the global batch, whatever its split over processes and micro-batches.
         `loop`'s callbacks get on_before_optimizer_step, and on_train_batch_end reads `outputs`.
         """
-        scale, stats, last = self.weights.start(window), [], len(window) - 1
+        scale, stats, counts, last = self.weights.start(window), [], [], len(window) - 1
         hooks = loop.callbacks if loop is not None else None
         keep = hooks is not None and hooks.has("on_train_batch_end")
         self.outputs = []
@@ -103,6 +103,7 @@ class TrainStep:
                 self.accumulate(out)
                 self.metrics.update("train", out)
             stats.append(out["stats"])
+            counts.append(out.get("unit_count"))
             if keep:
                 self.outputs.append(out)
         if not self.guard.skip_step():
@@ -110,7 +111,7 @@ class TrainStep:
                 for optimizer in optimizers_of(self.optimizer):
                     average_gradients(self.strategy, optimizer)
             self.precision.unscale_gradients(self.optimizer)
-            self.weights.finish(self.task.parameters(), stats)
+            self.weights.finish(self.task.parameters(), stats, counts)
             if hooks is not None:
                 hooks.call("on_before_optimizer_step", loop, self.optimizer)
             if self.clip is not None:
