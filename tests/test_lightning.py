@@ -193,8 +193,6 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
     (("model._target_=lightning_modules.TwoOptimizersAutomatic",),
      r"TwoOptimizersAutomatic.configure_optimizers\(\) returned 2 optimizers with automatic optimization: set "
      r"self.automatic_optimization = False"),
-    (("model._target_=lightning_modules.ManualTwoOptimizers", "strategy=fsdp"),
-     r"strategy=fsdp: model \(ManualTwoOptimizers\) uses manual optimization, which the runner runs under"),
     (("model._target_=lightning_modules.ManualTwoOptimizers", "trainer.accumulate_grad_batches=2"),
      r"trainer.accumulate_grad_batches=2: model \(ManualTwoOptimizers\) uses manual optimization; accumulate in"),
     (("model._target_=lightning_modules.ManualTwoOptimizers", "trainer.gradient_clip_val=1.0"),
@@ -212,7 +210,7 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
      r"strategy=dp: a LightningModule runs under strategy=ddp"),
     (("model._target_=lightning_modules.LitPlain", "+metrics.acc._target_=runner.metrics.Accuracy"),
      r"metrics=\['acc'\]: a LightningModule logs its own metrics"),
-], ids=["optimizer_step", "two-optimizers-automatic", "manual-fsdp", "manual-accumulate", "manual-clip", "callback-hook", "plain-model-callback", "stock-callback", "dp",
+], ids=["optimizer_step", "two-optimizers-automatic", "manual-accumulate", "manual-clip", "callback-hook", "plain-model-callback", "stock-callback", "dp",
         "metrics-config"])
 def test_what_is_not_run_is_refused_before_launch_in_one_line(tmp_path: Path, overrides: tuple, line: str) -> None:
     from runner.checks import validate
@@ -266,6 +264,20 @@ def test_manual_optimization_with_two_optimizers_on_one_and_two_processes(tmp_pa
     assert head["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)  # StepLR(2): halved at steps 2, 4, 6, 8
     assert body["param_groups"][0]["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # StepLR(3): at steps 3 and 6
     assert head["state"] and body["state"]  # momentum and Adam's moments
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lightning_ddp")
+def test_manual_optimization_under_fsdp_takes_one_processs_steps(tmp_path: Path) -> None:
+    """The same GAN-style steps on 2 FSDP processes x 8 (each backward pass reduce-scatters its units' gradients, which
+    add up over the step's passes; clip_gradients on the shards; toggle_model) and on 1 process x 16: the same weights
+    and losses (it was refused before)."""
+    one = runner.fit(_cfg(tmp_path, *MANUAL), run_dir=tmp_path / "one")
+    two = runner.fit(_cfg(tmp_path, *MANUAL, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8",
+                          "strategy.state_dict_type=full"), run_dir=tmp_path / "two")
+    _same_weights(tmp_path / "one", tmp_path / "two", atol=1e-5)
+    assert two["train/body_loss"] == pytest.approx(one["train/body_loss"], abs=1e-5)
+    assert two["train/head_loss"] == pytest.approx(one["train/head_loss"], abs=1e-5)
 
 
 def test_manual_optimization_resumes_exactly(tmp_path: Path) -> None:

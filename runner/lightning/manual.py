@@ -2,11 +2,13 @@
 `self.manual_backward(loss)` and steps the optimizers `self.optimizers()` gives, one or several (a GAN's generator
 and discriminator), and its schedulers itself.
 
-Gradients are averaged over processes at each optimizer's step, for that optimizer's parameters only: a step may
-run several backward passes through parts of one forward graph, which DDP's own gradient hooks (one reduction per
-parameter per forward) do not allow, so the runner's step runs the module's forward without them. With equal shares
-of a global batch per process this is the gradient one process computes on the whole batch. A loss scaler (16-mixed)
-scales each backward pass, unscales at each step, and updates once per training step.
+Under DDP gradients are averaged over processes at each optimizer's step, for that optimizer's parameters only: a
+step may run several backward passes through parts of one forward graph, which DDP's own gradient hooks (one
+reduction per parameter per forward) do not allow, so the runner's step runs the module's forward without them.
+Under FSDP each backward pass reduce-scatters (averages) the gradients of the units it went through, as FSDP does,
+and the shards' gradients add up over the step's backward passes. With equal shares of a global batch per process
+this is the gradient one process computes on the whole batch. A loss scaler (16-mixed) scales each backward pass,
+unscales at each step, and updates once per training step.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class ManualOptimizer:
     """What `self.optimizers()` gives under manual optimization: the torch optimizer, whose `step()` first averages
     its gradients over processes, then calls on_before_optimizer_step, then steps through the precision."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, loop: Any, module: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, loop: Any, module: Any, reduced: bool = False) -> None:
         self.optimizer, self._loop, self._module = optimizer, loop, module
-        self._synced = False  # gradients averaged since the last step: clip_gradients then step() average once
+        # gradients averaged since the last step (clip_gradients then step() average once); `reduced`: by the
+        # strategy at each backward pass (FSDP's reduce-scatter), never here
+        self._synced = self._reduced = reduced
 
     @property
     def param_groups(self) -> list[dict]:
@@ -47,7 +51,7 @@ class ManualOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._synced = False
+        self._synced = self._reduced
 
     def sync(self) -> None:
         """Average this optimizer's gradients over the processes (once until its next step)."""
@@ -61,7 +65,7 @@ class ManualOptimizer:
         self.sync()
         loop.callbacks.call("on_before_optimizer_step", loop, self.optimizer)
         loop.precision.optimizer_step(self.optimizer, update=False)
-        self._synced = False
+        self._synced = self._reduced
         return result
 
     @contextmanager
@@ -79,15 +83,18 @@ class ManualOptimizer:
 
 class ManualStep(TrainStep):
     """The runner's step for a module under manual optimization: its training_step (through the strategy's wrapper,
-    without the wrapper's gradient hooks) does the backward passes and optimizer steps; the step then updates the
-    loss scale once and counts the schedulers' step (which the module steps itself, as in Lightning)."""
+    without DDP's gradient hooks; with FSDP's, which reduce at each backward pass) does the backward passes and
+    optimizer steps; the step then updates the loss scale once and counts the schedulers' step (which the module
+    steps itself, as in Lightning)."""
+
+    reduced = False  # True under FSDP: the wrapper's own gradient reduction stays on
 
     def __call__(self, window: list, loop: Any = None) -> None:
         hooks = loop.callbacks if loop is not None else None
         keep = hooks is not None and hooks.has("on_train_batch_end")
         self.outputs = []
         for batch in window:  # one micro-batch: accumulation is refused before launch
-            with self.strategy.backward_sync(self.wrapped, enabled=False):
+            with self.strategy.backward_sync(self.wrapped, enabled=self.reduced):
                 out = self.strategy.training_step(self.wrapped, self.strategy.batch_to_device(batch), False)
             self.accumulate(out)
             if keep:
@@ -99,8 +106,10 @@ class ManualStep(TrainStep):
 def install(loop: Any, view: Any, module: Any) -> None:
     """Manual optimization's objects: the loop's step, the module's optimizers(), manual_backward() and
     clip_gradients(), and schedulers the module steps itself."""
-    precision = loop.precision
-    manual = [ManualOptimizer(optimizer, loop, module) for optimizer in optimizers_of(loop.optimizer)]
+    from runner.strategies.fsdp import FSDPStrategy
+
+    precision, reduced = loop.precision, isinstance(loop.strategy, FSDPStrategy)
+    manual = [ManualOptimizer(optimizer, loop, module, reduced) for optimizer in optimizers_of(loop.optimizer)]
     by_optimizer = {id(m.optimizer): m for m in manual}
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
@@ -127,6 +136,7 @@ def install(loop: Any, view: Any, module: Any) -> None:
     module.optimizers, module.manual_backward, module.clip_gradients = optimizers, manual_backward, clip_gradients
     loop.train_step = ManualStep(loop.strategy, loop.task, loop.wrapped, loop.optimizer, loop.scheduler, loop.metrics,
                                  loop.train.batch_size, loop.schedule.accumulate, loop.cfg)
+    loop.train_step.reduced = reduced
     loop.task.task.manual = True
     if hasattr(loop.scheduler, "manual"):
         loop.scheduler.manual = True
@@ -134,15 +144,10 @@ def install(loop: Any, view: Any, module: Any) -> None:
 
 def manual_problems(module: Any, cfg: Any, strategy: Optional[type]) -> list[str]:
     """What manual optimization cannot be run with, one line each (Lightning refuses the same settings)."""
-    from runner.strategies.fsdp import FSDPStrategy
-
     if not is_manual(module):
         return []
     name, trainer = type(module).__name__, cfg.trainer
     lines = []
-    if strategy is not None and issubclass(strategy, FSDPStrategy):
-        lines.append(f"strategy=fsdp: model ({name}) uses manual optimization, which the runner runs under "
-                     "strategy=single or ddp (its gradients are averaged at each optimizer's step)")
     if int(trainer.get("accumulate_grad_batches", 1)) > 1:
         lines.append(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}: model ({name}) uses manual "
                      "optimization; accumulate in training_step (step the optimizers every N batches), as in Lightning")
