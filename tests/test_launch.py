@@ -40,7 +40,8 @@ print(json.dumps({"changed": changed, "step": metrics["step"]}))
 @pytest.mark.parametrize("omp, start_method, deterministic", [(None, "popen", False),
                                                                pytest.param("3", "spawn", True,
                                                                             marks=pytest.mark.extended),
-                                                               (None, "fork", False)])
+                                                               pytest.param(None, "fork", False,
+                                                                            marks=pytest.mark.extended)])
 def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[str], start_method: str,
                                                  deterministic: bool) -> None:
     probes = tmp_path / "probes"

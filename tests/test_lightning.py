@@ -252,32 +252,25 @@ MANUAL = ("model._target_=lightning_modules.ManualTwoOptimizers", "+model.clip=0
 @pytest.mark.xdist_group("lightning_ddp")
 def test_manual_optimization_with_two_optimizers_on_one_and_two_processes(tmp_path: Path) -> None:
     """A GAN's alternating steps (two optimizers, two backward passes through one forward graph, clip_gradients,
-    toggle_model, schedulers the module steps): 1 process x 16 and 2 x 8 take the same steps (DDP's own gradient
-    hooks would fail on the second backward pass); both optimizers and schedulers are in the checkpoint."""
+    toggle_model, schedulers the module steps): 1 process x 16, 2 DDP processes x 8 (DDP's own gradient hooks would
+    fail on the second backward pass) and 2 FSDP processes x 8 (each backward pass reduce-scatters its units'
+    gradients, which add up over the step's passes; clip_gradients on the shards) take the same steps; both
+    optimizers and schedulers are in the checkpoint."""
     one = runner.fit(_cfg(tmp_path, *MANUAL), run_dir=tmp_path / "one")
     two = runner.fit(_cfg(tmp_path, *MANUAL, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two")
     assert one["train/body_loss"] == pytest.approx(two["train/body_loss"], abs=1e-6)
+    fsdp = runner.fit(_cfg(tmp_path, *MANUAL, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8",
+                           "strategy.state_dict_type=full"), run_dir=tmp_path / "fsdp")
+    _same_weights(tmp_path / "one", tmp_path / "fsdp", atol=1e-5)
+    assert fsdp["train/body_loss"] == pytest.approx(one["train/body_loss"], abs=1e-5)
+    assert fsdp["train/head_loss"] == pytest.approx(one["train/head_loss"], abs=1e-5)
     saved = load_checkpoint(tmp_path / "one")
     assert saved["optimizer"]["classes"] == ["SGD", "Adam"]
     head, body = saved["optimizer"]["optimizers"]
     assert head["param_groups"][0]["lr"] == pytest.approx(0.1 * 0.5 ** 4)  # StepLR(2): halved at steps 2, 4, 6, 8
     assert body["param_groups"][0]["lr"] == pytest.approx(0.01 * 0.5 ** 2)  # StepLR(3): at steps 3 and 6
     assert head["state"] and body["state"]  # momentum and Adam's moments
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("lightning_ddp")
-def test_manual_optimization_under_fsdp_takes_one_processs_steps(tmp_path: Path) -> None:
-    """The same GAN-style steps on 2 FSDP processes x 8 (each backward pass reduce-scatters its units' gradients, which
-    add up over the step's passes; clip_gradients on the shards; toggle_model) and on 1 process x 16: the same weights
-    and losses (it was refused before)."""
-    one = runner.fit(_cfg(tmp_path, *MANUAL), run_dir=tmp_path / "one")
-    two = runner.fit(_cfg(tmp_path, *MANUAL, "strategy=fsdp", "trainer.devices=2", "data.batch_size=8",
-                          "strategy.state_dict_type=full"), run_dir=tmp_path / "two")
-    _same_weights(tmp_path / "one", tmp_path / "two", atol=1e-5)
-    assert two["train/body_loss"] == pytest.approx(one["train/body_loss"], abs=1e-5)
-    assert two["train/head_loss"] == pytest.approx(one["train/head_loss"], abs=1e-5)
 
 
 def test_manual_optimization_resumes_exactly(tmp_path: Path) -> None:

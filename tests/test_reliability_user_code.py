@@ -80,7 +80,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("predict_sigterm")
-@pytest.mark.parametrize("processes", [(), DDP2], ids=["1-process", "ddp-2"])
+@pytest.mark.parametrize("processes", [pytest.param((), marks=pytest.mark.extended), DDP2], ids=["1-process", "ddp-2"])
 def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictions(tmp_path: Path, trained: Path,
                                                                                    processes: tuple) -> None:
     """predict ran on to its last batch and wrote predictions.pt as if complete (0.5 s a batch: an 8 s pass)."""

@@ -101,6 +101,7 @@ def test_unfinished_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> None
     assert json.loads((sweep / "0" / "metrics.json").read_text())["step"] == 8
 
 
+@pytest.mark.extended
 def test_sweep_preset_runs_as_a_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = runner("experiment=lr_sweep", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
