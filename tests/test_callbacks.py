@@ -58,7 +58,7 @@ def test_early_stopping_stops_every_rank_at_one_step_and_keeps_the_best(tmp_path
         assert f"stopped at step {metrics['step']} by early_stopping" in (tmp_path / log).read_text(), log
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.extended)], ids=["1-process", "2-processes"])
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-process", "2-processes"])
 def test_top_k_pruning_survives_a_resume_and_leaves_other_files(make_cfg: MakeCfg, tmp_path: Path,
                                                                devices: int) -> None:
     common = ("callbacks=model_checkpoint", "callbacks.model_checkpoint.save_top_k=2",

@@ -80,7 +80,7 @@ def test_a_data_module_is_built_once_and_set_up_once_per_stage(tmp_path: Path) -
                                  ("setup", "0", "test"): 1}
 
 
-@pytest.mark.parametrize("data_class", [pytest.param("EagerData", marks=pytest.mark.extended), "CountingModule"])
+@pytest.mark.parametrize("data_class", ["EagerData", "CountingModule"])
 def test_two_processes_build_their_data_once_each_and_the_launcher_none(tmp_path: Path, data_class: str) -> None:
     result = _cli(tmp_path, data_class)
     assert result.returncode == 0, result.stderr
@@ -95,9 +95,9 @@ def test_two_processes_build_their_data_once_each_and_the_launcher_none(tmp_path
     (("+data.short_rank=1", "+data.short_by=56"),
      "data: rank 1 has 200 train samples, rank 0 has 256; every process must build the same data (setup(stage) must "
      "not depend on the rank)"),
-    pytest.param(("+data.short_rank=1", "+data.rank_batch_size=8"),
-                 "data: rank 1 has batch_size 8, rank 0 has 16; every process must build the same data (setup(stage) "
-                 "must not depend on the rank)", marks=pytest.mark.extended),
+    (("+data.short_rank=1", "+data.rank_batch_size=8"),
+     "data: rank 1 has batch_size 8, rank 0 has 16; every process must build the same data (setup(stage) must not "
+     "depend on the rank)"),
 ], ids=["fewer-samples", "another-batch-size"])
 def test_ranks_that_set_up_different_data_are_refused_in_one_line(tmp_path: Path, overrides: tuple,
                                                                   line: str) -> None:

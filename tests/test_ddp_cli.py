@@ -19,8 +19,7 @@ SHORT = ["data.num_samples=128", "data.val_samples=40", "data.batch_size=16", "t
          "trainer.max_epochs=-1", "model.hidden=16"]
 
 
-@pytest.mark.parametrize("start_method", ["popen", pytest.param("spawn", marks=pytest.mark.extended),
-                                          pytest.param("fork", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("start_method", ["popen", "spawn", "fork"])
 def test_two_processes_one_run_folder(tmp_path: Path, start_method: str) -> None:
     run_dir = tmp_path / "run"
     result = run_cli([*TWO_CPU, *SHORT, f"strategy.start_method={start_method}", f"hydra.run.dir={run_dir}"],
@@ -33,7 +32,6 @@ def test_two_processes_one_run_folder(tmp_path: Path, start_method: str) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written beside the run folder
 
 
-@pytest.mark.extended
 def test_torchrun_with_run_dir(tmp_path: Path) -> None:
     run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
@@ -92,7 +90,6 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
         assert [value for _, value in two] == pytest.approx([value for _, value in one], abs=1e-5), tag
 
 
-@pytest.mark.extended
 def test_torchrun_leaves_no_temporary_folder_even_when_killed(tmp_path: Path) -> None:
     """Ranks > 0 make no folder of their own, so not even SIGKILL can leave one behind."""
     import os
@@ -137,7 +134,6 @@ def test_torchrun_refuses_a_sweep_with_a_message(tmp_path: Path, sweep: list[str
     assert not list(tmp_path.glob("sweep/*/metrics.json")) and not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.extended
 def test_workers_apply_the_jobs_hydra_job_logging(tmp_path: Path) -> None:
     custom = tmp_path / "custom"
     assert_ok(run_cli([*TWO_CPU, *SHORT, f"hydra.run.dir={custom}",

@@ -13,7 +13,6 @@ RUN = tuple(o for o in TINY if not o.startswith(("data.", "model.", "trainer.max
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.extended
 def test_digits_reaches_97_percent(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     metrics = runner.fit(compose_config([*RUN, "experiment=digits"]), run_dir=tmp_path)

@@ -102,7 +102,6 @@ def test_model_gives_logits(image_size):
     assert model(torch.randn(5, 1, image_size, image_size)).shape == (5, 3)
 
 
-@pytest.mark.extended
 def test_small_cnn_learns_shapes():
     torch.manual_seed(0)
     data = ShapesData(num_samples=2000, val_samples=500)

@@ -90,7 +90,6 @@ def test_sharded_checkpoint_resumes_under_ddp_exactly(runs: dict[str, Path], tmp
     assert_same_state(read(last(tmp_path)), read(last(runs["fsdp"])))
 
 
-@pytest.mark.extended
 def test_sharded_checkpoint_of_two_processes_resumes_on_four_fsdp_processes(runs: dict[str, Path],
                                                                             tmp_path: Path) -> None:
     step6 = last(runs["fsdp"], "step-000006.ckpt")

@@ -144,7 +144,6 @@ def test_the_runner_script_lists_the_built_in_groups(installed: Installed) -> No
     assert "experiment: " in result.stdout and "shapes" in result.stdout
 
 
-@pytest.mark.extended
 def test_a_two_job_sweep_runs_from_an_empty_folder(installed: Installed) -> None:
     sweep = installed.empty / "sweep"
     result = installed.run(str(installed.venv / "bin" / "runner"), "-m", "optimizer.lr=0.1,0.01",

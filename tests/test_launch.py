@@ -37,11 +37,8 @@ print(json.dumps({"changed": changed, "step": metrics["step"]}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("omp, start_method, deterministic", [(None, "popen", False),
-                                                               pytest.param("3", "spawn", True,
-                                                                            marks=pytest.mark.extended),
-                                                               pytest.param(None, "fork", False,
-                                                                            marks=pytest.mark.extended)])
+@pytest.mark.parametrize("omp, start_method, deterministic", [(None, "popen", False), ("3", "spawn", True),
+                                                               (None, "fork", False)])
 def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[str], start_method: str,
                                                  deterministic: bool) -> None:
     probes = tmp_path / "probes"
@@ -71,8 +68,7 @@ def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how, error", [pytest.param("raise", "injected failure at step 3", marks=pytest.mark.extended),
-                                       ("kill", "SIGKILL")])
+@pytest.mark.parametrize("how, error", [("raise", "injected failure at step 3"), ("kill", "SIGKILL")])
 def test_failing_rank_ends_the_job(tmp_path: Path, how: str, error: str) -> None:
     """Rank 1 fails at its third step of a run that would otherwise go on for hours."""
     run_dir = tmp_path / "run"

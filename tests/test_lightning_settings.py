@@ -122,7 +122,6 @@ def test_torch_compile_in_setup_resumes(tmp_path: Path) -> None:
 
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.xdist_group("lightning_fsdp")
 def test_fsdp_resumes_from_its_sharded_checkpoint_to_one_processs_weights(tmp_path: Path) -> None:

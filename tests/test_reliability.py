@@ -85,7 +85,7 @@ SLOW = ("model._target_=reliability_models.Slow", "+model.delay=0.5", "trainer.l
         "trainer.max_steps=100000", "trainer.max_epochs=-1")
 
 
-@pytest.mark.parametrize("target", [pytest.param("parent", marks=pytest.mark.extended), "worker"])
+@pytest.mark.parametrize("target", ["parent", "worker"])
 def test_sigterm_stops_at_the_next_step_saves_and_names_it(tmp_path: Path, target: str) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir, *DDP2, *TINY, *SLOW, cwd=tmp_path)
@@ -103,8 +103,7 @@ def test_sigterm_stops_at_the_next_step_saves_and_names_it(tmp_path: Path, targe
     assert_stopped_and_saved(run_dir, stderr, "SIGTERM")
 
 
-@pytest.mark.parametrize("start_method, signum", [pytest.param("spawn", signal.SIGINT, marks=pytest.mark.extended),
-                                                  pytest.param("fork", signal.SIGINT, marks=pytest.mark.extended),
+@pytest.mark.parametrize("start_method, signum", [("spawn", signal.SIGINT), ("fork", signal.SIGINT),
                                                   ("popen", signal.SIGHUP)])
 def test_a_terminal_signal_to_the_whole_group_stops_once_with_a_checkpoint(tmp_path: Path, start_method: str,
                                                                           signum: int) -> None:
@@ -123,8 +122,7 @@ def test_a_terminal_signal_to_the_whole_group_stops_once_with_a_checkpoint(tmp_p
     assert_stopped_and_saved(run_dir, stderr, signal.Signals(signum).name)
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(("strategy=single",), marks=pytest.mark.extended), DDP2],
-                         ids=["single", "ddp"])
+@pytest.mark.parametrize("strategy", [("strategy=single",), DDP2], ids=["single", "ddp"])
 def test_one_ctrl_c_that_arrives_twice_within_milliseconds_is_one_stop_request(tmp_path: Path, strategy: tuple) -> None:
     """Under `timeout`, a shell script or srun, a Ctrl-C reaches the job twice within milliseconds (from the
     terminal, then passed on by the wrapper): still one request, so the job saves and stops, rather than taking it
@@ -179,7 +177,7 @@ def test_ctrl_c_while_the_workers_start_ends_the_job_at_once_and_quietly(tmp_pat
     assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
 
 
-@pytest.mark.parametrize("start_method", [pytest.param("spawn", marks=pytest.mark.extended), "popen"])
+@pytest.mark.parametrize("start_method", ["spawn", "popen"])
 def test_ctrl_c_twice_under_the_launcher_stops_now(tmp_path: Path, start_method: str) -> None:
     """The second Ctrl-C does not wait for the step (3 s here) and its checkpoint: the workers end at once."""
     run_dir = tmp_path / "run"
@@ -212,7 +210,6 @@ def test_max_restarts_resumes_after_a_failure_and_finishes(tmp_path: Path) -> No
     assert "resuming from" in (tmp_path / "run" / "runner.log").read_text()
 
 
-@pytest.mark.extended
 def test_without_restarts_the_same_failure_ends_the_job_naming_the_rank(tmp_path: Path) -> None:
     result = run(tmp_path / "run", *DDP2, *TINY, "model._target_=reliability_models.FailOnce",
                  f"+model.marker={tmp_path / 'marker'}", "+model.fail_at_step=3", "trainer.max_steps=100000",
@@ -365,7 +362,7 @@ def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_pat
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242-0"]
 
 
-@pytest.mark.parametrize("start_method", ["popen", pytest.param("spawn", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_workers_end_when_the_parent_is_killed(tmp_path: Path, start_method: str) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.Slow", "trainer.max_steps=100000",

@@ -25,7 +25,7 @@ def _testing(run_dir: Path) -> bool:
     return log.exists() and "testing " in log.read_text()
 
 
-@pytest.mark.parametrize("target", [pytest.param("parent", marks=pytest.mark.extended), "worker"])
+@pytest.mark.parametrize("target", ["parent", "worker"])
 def test_sigterm_during_the_test_after_training_stops_it_at_the_next_batch(tmp_path: Path, target: str) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir, *DDP2, *TINY, *SLOW_TEST, cwd=tmp_path)

@@ -58,7 +58,6 @@ def test_a_sample_that_raises_under_ddp_names_the_rank_once(tmp_path: Path) -> N
     assert re.search(r"rank \d failed:\nreading a batch of data\.train_dataset raised ValueError", stderr), stderr
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 def test_prepare_data_that_raises_under_ddp_is_said_once(tmp_path: Path) -> None:
     stderr = _fails_in_one_line(tmp_path / "run", (*DDP2, "data._target_=faulty_more.Hooks", "+data.what=raise"),
@@ -80,7 +79,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("predict_sigterm")
-@pytest.mark.parametrize("processes", [pytest.param((), marks=pytest.mark.extended), DDP2], ids=["1-process", "ddp-2"])
+@pytest.mark.parametrize("processes", [(), DDP2], ids=["1-process", "ddp-2"])
 def test_sigterm_during_predict_stops_at_a_batch_and_writes_no_partial_predictions(tmp_path: Path, trained: Path,
                                                                                    processes: tuple) -> None:
     """predict ran on to its last batch and wrote predictions.pt as if complete (0.5 s a batch: an 8 s pass)."""

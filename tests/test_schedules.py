@@ -45,7 +45,7 @@ def test_the_schedules_start_and_end_where_they_say() -> None:
     assert factors(linear(optimizer(), 4, end_lr_ratio=0.2), 4) == pytest.approx([1, 0.8, 0.6, 0.4, 0.2])
 
 
-@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.extended), 2], ids=["1-process", "2-processes"])
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-process", "2-processes"])
 def test_cosine_ends_at_its_minimum_whatever_the_number_of_processes(make_cfg: MakeCfg, tmp_path: Path,
                                                                      devices: int) -> None:
     # 2 epochs of 256 samples at 16 per process: 32 steps on 1 process, 16 on 2; no step count in the config.

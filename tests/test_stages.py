@@ -52,7 +52,7 @@ def test_fit_without_a_best_checkpoint_tests_the_last_weights(make_cfg: MakeCfg,
     assert metrics["test/loss"] == pytest.approx(direct(cfg, tmp_path / "checkpoints" / "last.ckpt")[1], rel=1e-5)
 
 
-@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.extended), 2], ids=["1-process", "2-processes"])
+@pytest.mark.parametrize("devices", [1, 2], ids=["1-process", "2-processes"])
 def test_validate_test_and_predict_from_a_checkpoint(make_cfg: MakeCfg, tmp_path: Path, devices: int) -> None:
     trained = tmp_path / "trained"
     runner.fit(make_cfg(*TEST, "trainer.max_steps=6"), run_dir=trained)

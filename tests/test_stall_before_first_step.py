@@ -29,12 +29,11 @@ class HangFirstStep(HangFirstForward):
 
 
 @pytest.mark.parametrize(("fault", "rank", "where"), [
-    pytest.param(("data._target_=faulty_more.Hooks", "+data.hook=prepare_data", "+data.what=hang", "+data.rank=0"), 0,
-                 "in data.prepare_data()", marks=pytest.mark.extended),
+    (("data._target_=faulty_more.Hooks", "+data.hook=prepare_data", "+data.what=hang", "+data.rank=0"), 0,
+     "in data.prepare_data()"),
     (("data._target_=faulty_more.Hooks", "+data.hook=setup", "+data.what=hang", "+data.rank=1"), 1,
      "in data.setup('fit')"),
-    pytest.param(("model._target_=test_stall_before_first_step.HangFirstStep", "+model.rank=1"), 1,
-                 "in its first step (step 1)", marks=pytest.mark.extended),
+    (("model._target_=test_stall_before_first_step.HangFirstStep", "+model.rank=1"), 1, "in its first step (step 1)"),
 ], ids=["prepare_data-rank0", "setup-rank1", "first-forward-rank1"])
 def test_a_rank_hung_before_its_first_step_is_named_with_its_phase(tmp_path: Path, fault: tuple, rank: int,
                                                                    where: str) -> None:

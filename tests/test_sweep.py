@@ -77,7 +77,6 @@ def test_failed_job_is_recorded_and_others_still_run(tmp_path: Path) -> None:
     assert (sweep / "1" / "metrics.json").exists()
 
 
-@pytest.mark.extended
 def test_rerunning_a_finished_sweep_trains_nothing(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ("-m", "optimizer.lr=0.1,0.01", "trainer.max_steps=5", f"hydra.sweep.dir={sweep}", *TINY)
@@ -101,7 +100,6 @@ def test_unfinished_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> None
     assert json.loads((sweep / "0" / "metrics.json").read_text())["step"] == 8
 
 
-@pytest.mark.extended
 def test_sweep_preset_runs_as_a_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = runner("experiment=lr_sweep", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *TINY, cwd=tmp_path)
@@ -135,7 +133,6 @@ def test_submitit_local_launcher_runs_ddp_jobs(tmp_path: Path) -> None:
     assert (sweep / "1" / "rank_1.log").exists()
 
 
-@pytest.mark.extended
 def test_a_sweep_with_other_values_in_the_same_folder_does_not_reuse_old_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     assert runner("-m", "optimizer.lr=0.1", "trainer.max_steps=4", f"hydra.sweep.dir={sweep}", *TINY,

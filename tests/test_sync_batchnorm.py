@@ -94,7 +94,6 @@ def test_a_sync_checkpoint_resumes_on_one_process(runs: dict[str, Path], tmp_pat
     _assert_same_weights(_weights(tmp_path / "resumed"), _weights(runs["one"]))
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.xdist_group("sync_batchnorm")
 def test_fsdp_with_sync_batchnorm_resumes_a_one_process_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -112,7 +112,6 @@ def _answers(url: str) -> bool:
 
 # -- MLflow -------------------------------------------------------------------------------------------
 
-@pytest.mark.extended
 def test_ddp_run_logs_params_metrics_and_artifacts_to_a_server(tmp_path: Path, mlflow_server: str) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -248,7 +247,6 @@ def _sweep_runs(client: Any, sweep_dir: Path) -> dict[str, Any]:
     return {r.data.tags["runner.job_num"]: r for r in runs}
 
 
-@pytest.mark.extended
 def test_sweep_jobs_are_runs_of_one_experiment_and_one_wandb_group(tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")

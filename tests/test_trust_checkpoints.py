@@ -347,7 +347,6 @@ def test_a_file_replaces_a_sharded_folder_and_the_reverse(plain: Path, tmp_path:
         TorchCheckpointIO().save_checkpoint(checkpoint, tmp_path / "data")
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 def test_fsdp_single_fsdp_ddp_fsdp_take_turns_in_one_run_folder(tmp_path: Path) -> None:
     """Each run resumes where the last stopped, whatever wrote it; nothing is lost on the way."""
