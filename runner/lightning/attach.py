@@ -23,7 +23,7 @@ def setup_module(model: Any, view: TrainerView) -> None:
     if not is_lightning_module(model):
         return
     # Also when no check ran before (torchrun, srun, runner.fit).
-    problems = module_problems(model, view._stage) + manual_problems(model, view._cfg, type(view.strategy))
+    problems = module_problems(model, view._stage) + manual_problems(model, view._cfg)
     if problems:
         raise ConfigError(problems)
     if view.is_global_zero:

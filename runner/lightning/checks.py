@@ -145,7 +145,7 @@ def config_problems(cfg: Any, meta_model: Callable[[], Any], strategy: Optional[
             yield from (line for line in module_problems(instance, stage) if line not in module_problems(cls, stage))
             if stage == "fit":
                 yield from optimizer_problems(instance)
-                yield from manual_problems(instance, cfg, strategy)
+                yield from manual_problems(instance, cfg)
         if strategy is not None and issubclass(strategy, DataParallelStrategy):
             yield ("strategy=dp: a LightningModule runs under strategy=ddp (one process per device; Lightning 2 has no "
                    "DataParallel either)")

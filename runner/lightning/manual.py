@@ -18,7 +18,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from runner.config import ConfigError
 from runner.loop.optimizers import average_gradients, optimizers_of
 from runner.loop.step import TrainStep
 
@@ -142,7 +141,7 @@ def install(loop: Any, view: Any, module: Any) -> None:
         loop.scheduler.manual = True
 
 
-def manual_problems(module: Any, cfg: Any, strategy: Optional[type]) -> list[str]:
+def manual_problems(module: Any, cfg: Any) -> list[str]:
     """What manual optimization cannot be run with, one line each (Lightning refuses the same settings)."""
     if not is_manual(module):
         return []
@@ -160,8 +159,3 @@ def manual_problems(module: Any, cfg: Any, strategy: Optional[type]) -> list[str
                      "training_step steps the optimizers itself; skip a bad batch there")
     return lines
 
-
-def refuse(module: Any, cfg: Any, strategy: Any) -> None:
-    problems = manual_problems(module, cfg, type(strategy))
-    if problems:
-        raise ConfigError(problems)
