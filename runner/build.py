@@ -205,6 +205,27 @@ def data_contract(cfg: DictConfig, data: Any) -> Optional[str]:
         if not (is_stream(dataset) or (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))):
             return (f"{what}.{name} is {type(dataset).__name__}: neither a map-style dataset (len() and indexing) "
                     "nor a stream (an IterableDataset, or __iter__ without indexing)")
+    return endless_evaluation(cfg, data)
+
+
+def endless_evaluation(cfg: DictConfig, data: Any) -> Optional[str]:
+    """An evaluation stream without len() and no number of batches to read of it: its pass would end only where
+    the stream does, which may be never."""
+    from runner.data import STAGE_SPLITS
+    from runner.data.streams import is_stream, stream_length
+
+    stage, t = cfg.get("stage", "fit"), cfg.trainer
+    splits = [s for s in STAGE_SPLITS[stage] if s != "train"] + (["test"] if stage == "fit" else [])
+    for split in splits:
+        dataset, key = getattr(data, f"{split}_dataset", None), f"limit_{split}_batches"
+        limit = t.get(key, 1.0)
+        if dataset is None or not is_stream(dataset) or stream_length(dataset) is not None:
+            continue
+        if is_int(limit) or t.fast_dev_run or (split == "val" and limit == 0):
+            continue
+        return (f"trainer.{key}={limit}: data.{split}_dataset ({type(dataset).__name__}) is a stream without "
+                f"len(), so its pass would read it to its end, however long; give the number of batches each "
+                f"process reads of it (trainer.{key}=N){', or 0 to skip validation' if split == 'val' else ''}")
     return None
 
 
@@ -269,7 +290,7 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
     reports its own errors).
     """
     from runner.data import collate
-    from runner.precision import Precision
+    from runner.precision import DoublePrecision, Precision
     from runner.tasks import BatchError, TaskModule
     from runner.tree import apply_to_tensors
 
@@ -279,7 +300,10 @@ def model_data_mismatch(cfg: DictConfig, data: Any) -> Optional[str]:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
             model, device = trial_model(cfg)
             batch = apply_to_tensors(getattr(data, "collate_fn", collate)(samples), lambda t: t.to(device))
-            module = TaskModule(model, build_task(cfg), Precision())
+            # In the run's own dtype where it is one (64-true: float64 data meets a float64 model, as in the run).
+            precision = build_precision(cfg, build_accelerator(cfg))
+            precision = precision if isinstance(precision, DoublePrecision) else Precision()
+            module = TaskModule(precision.convert_module(model), build_task(cfg), precision)
         except Exception:  # noqa: BLE001 - built for real by the worker, which reports its own errors
             return None
         if not samples:
@@ -495,13 +519,14 @@ def no_decay_matches(model: torch.nn.Module, entries: list[str]) -> dict[str, li
 
 
 def decay_groups(model: torch.nn.Module, entries: list[str]) -> list:
-    """The model's parameters, in two groups when `entries` exempt some: [{the others}, {those, weight_decay 0}]."""
+    """The model's parameters, in two groups when `entries` exempt some: [{the others}, {those, weight_decay 0}],
+    named `decay` and `no_decay` (their rates are logged as lr/decay and lr/no_decay)."""
     if not entries:
         return list(model.parameters())
     exempt = {name for names in no_decay_matches(model, entries).values() for name in names}
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if n not in exempt]},
-              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    groups = [{"params": [p for n, p in named if n not in exempt], "name": "decay"},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0, "name": NO_DECAY.strip("_")}]
     return [group for group in groups if group["params"]]
 
 

@@ -55,6 +55,11 @@ class NonFiniteLossError(RuntimeError):
     """The loss or the weights became NaN or infinite (trainer.skip_nonfinite_loss skips such steps instead)."""
 
 
+class DataError(RuntimeError):
+    """The data broke what the global order rests on, found as it is read: a len() that is not what the data
+    yields, processes whose streams differ, an epoch with nothing in it, a state that is not plain data."""
+
+
 class CallbackError(ValueError):
     """A callback's setting that only a running job can check (a monitored metric nobody logs)."""
 
@@ -137,5 +142,5 @@ def is_user_error(error: BaseException) -> bool:
     from runner.tasks import BatchError
 
     known = (ConfigError, WorkerFailed, HookFailed, PeerLost, CheckpointError, NonFiniteLossError, JobStopped,
-             InstantiationException, BatchError, CallbackError, RunFolderBusy)
+             InstantiationException, BatchError, CallbackError, RunFolderBusy, DataError)
     return isinstance(error, known)

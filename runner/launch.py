@@ -316,5 +316,7 @@ def _describe(rank: int, failure: object) -> str:
         if "timed out" in trace.lower():
             hint = (f"\nrank {rank} waited longer than strategy.timeout in a collective that another rank never "
                     "reached: that rank is stuck or slow (its log: runner.log for rank 0, rank_<k>.log otherwise)")
+        if len(trace.strip().splitlines()) == 1 and not hint:  # a worker's own one-line report (a user error)
+            return f"rank {rank}: {trace.strip()}"
         return f"rank {rank} failed:\n{trace.rstrip()}{hint}"
     return f"rank {rank} {_ending(failure)} (see its log: runner.log for rank 0, rank_{rank}.log otherwise)"

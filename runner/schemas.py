@@ -26,6 +26,8 @@ class TrainerConfig:
     val_check_interval: Any = 1.0  # float: fraction of an epoch; int: every N optimizer steps
     limit_train_batches: Any = 1.0  # float: fraction of the batches; int: number of batches
     limit_val_batches: Any = 1.0
+    limit_test_batches: Any = 1.0
+    limit_predict_batches: Any = 1.0
     ckpt_every_n_steps: Optional[int] = None
     ckpt_path: Optional[str] = None  # a file, or 'last'
     trust_unchecked_checkpoint: bool = False  # load a ckpt_path named explicitly that carries no checksums

@@ -17,6 +17,7 @@ from runner.config import ConfigError
 from runner.data import close_loaders, ready, val_loader
 from runner.loop.progress import loader_length
 from runner.loop.stop import BatchVote
+from runner.values import is_int
 
 log = logging.getLogger("runner")
 STAGES = ("fit", "validate", "test", "predict")
@@ -62,9 +63,10 @@ def dev_run_only(callbacks: Any, batches: int, announce: bool) -> None:
                  "checkpoints, no loggers%s", batches, f", callbacks {', '.join(dropped)} off" if dropped else "")
 
 
-def _dev_batches(loop: Any) -> float:
-    """The batches each evaluation loop runs: all of them, or trainer.fast_dev_run's."""
-    return int(loop.cfg.fast_dev_run) or math.inf
+def _dev_batches(loop: Any, split: str = "test") -> float:
+    """The batches each evaluation loop runs: trainer.fast_dev_run's, trainer.limit_<split>_batches' number, or all."""
+    limit = loop.cfg.get(f"limit_{split}_batches", 1.0)
+    return int(loop.cfg.fast_dev_run) or (limit if is_int(limit) else math.inf)
 
 
 def _loader(loop: Any, data: Any, split: str, stage: str) -> Any:
@@ -99,7 +101,7 @@ def fit(loop: Any, data: Any) -> dict:
         loop.strategy.barrier("best checkpoint written")
         loop.load_weights(loop.strategy.load_checkpoint(best))
     log.info("testing %s", best or "the last weights")
-    result.update(loop.evaluate("test", test, _dev_batches(loop)), tested=best or "last")
+    result.update(loop.evaluate("test", test, _dev_batches(loop, "test")), tested=best or "last")
     if result.get("stop_signal"):  # the training is whole; the test alone was cut short
         result["stopped_in"] = "test after training"
     loop.write_result(result)
@@ -117,7 +119,7 @@ def evaluate(split: str) -> Callable[[Any, Any], dict]:
         if split == "val":
             _refuse_no_validation(loop.cfg)
         loader = _loader(loop, data, split, "validate" if split == "val" else split)
-        metrics = loop.evaluate(split, loader, _dev_batches(loop))
+        metrics = loop.evaluate(split, loader, _dev_batches(loop, split))
         result = {**metrics, "step": loop.progress.step, "epoch": loop.progress.epoch}
         if metrics.get("stop_signal"):
             result["stopped_in"] = f"stage={'validate' if split == 'val' else split}"
@@ -142,8 +144,9 @@ def predict(loop: Any, data: Any) -> dict:
 
     A stop signal ends the pass at a batch every process reaches (as a test's): nothing is written, since part of
     the predictions would read as all of them, and the job exits as stopped."""
-    loader, limit = _loader(loop, data, "predict", "predict"), _dev_batches(loop)
-    vote = BatchVote(loop.strategy, loop.stop_vote.requested, min(limit, loader_length(loader)))
+    loader, limit = _loader(loop, data, "predict", "predict"), _dev_batches(loop, "predict")
+    length = loader_length(loader)  # a stream that does not say: no count to vote over before its end
+    vote = BatchVote(loop.strategy, loop.stop_vote.requested, min(limit, length) if length < math.inf else math.inf)
     try:
         predictions = loop.predict(_voted(loader if limit == math.inf else itertools.islice(loader, int(limit)),
                                           vote))

@@ -6,8 +6,8 @@ process the launcher starts. It never re-enters `@hydra.main`, so a worker never
 
 from __future__ import annotations
 
-import gc
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -37,6 +37,7 @@ from runner.logs import NoFollowFileHandler, apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
+from runner.loop.stop import ReadCut
 from runner.loop.progress import loader_length
 from runner.tasks import TaskModule
 
@@ -53,17 +54,37 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.backends.cudnn.deterministic = deterministic
 
 
+# How long a stop signal waits for a read of the training data to finish (a slow batch) before it cuts the read.
+READ_WAIT_S = 5.0
+
+
 class StopRequest:
-    """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint."""
+    """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint.
+
+    While the loop waits for its training data (`reading`), a signal may never reach a step: a stream that blocks,
+    or data that never comes. Once it has waited READ_WAIT_S seconds after the signal, the read is cut
+    (ReadCut, raised in the loop's thread) and the loop stops where it stands.
+    """
 
     def __init__(self) -> None:
         self.signal = 0
         self._since = 0.0
+        self._reads = 0  # reads begun: a timer cuts only the read it was started in
+        self._in_read = False
+        self._cut = False
+        self._reading = _Reading(self)
 
     def __call__(self) -> int:
         return self.signal
 
+    def reading(self) -> "_Reading":
+        """A context for one read of the training data, during which a stop signal is not left waiting."""
+        return self._reading
+
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._cut and self._in_read:  # the timer's call, in the main thread: end the read now
+            self._cut = False
+            raise ReadCut(self.signal)
         if self.signal:
             if signum == signal.SIGINT and time.monotonic() - self._since >= SAME_REQUEST_S:
                 raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
@@ -71,6 +92,20 @@ class StopRequest:
         self.signal, self._since = signum, time.monotonic()
         log.warning("received %s: stopping after this step or the next (once every process knows), after "
                     "saving last.ckpt", signal.Signals(signum).name)
+        if self._in_read:
+            self._watch_read()
+
+    def _watch_read(self) -> None:
+        read = self._reads
+        timer = threading.Timer(READ_WAIT_S, self._cut_read, args=(read,))
+        timer.daemon = True
+        timer.start()
+
+    def _cut_read(self, read: int) -> None:
+        if self._in_read and self._reads == read:
+            self._cut = True
+            # A real signal to the main thread: it ends the system call the read waits in (interrupt_main would not).
+            signal.pthread_kill(threading.main_thread().ident, self.signal)
 
     @contextlib.contextmanager
     def installed(self, signals: tuple = STOP_SIGNALS) -> Iterator["StopRequest"]:
@@ -83,6 +118,23 @@ class StopRequest:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+class _Reading:
+    """One read of the training data (cheap to enter: the loop enters it every step)."""
+
+    def __init__(self, request: StopRequest) -> None:
+        self.request = request
+
+    def __enter__(self) -> None:
+        request = self.request
+        request._reads += 1
+        request._in_read, request._cut = True, False
+        if request.signal:  # the signal came before this read: it may be the one that never ends
+            request._watch_read()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.request._in_read = False
 
 
 def configure_logging(run_dir: Path, rank: int) -> None:
@@ -230,7 +282,7 @@ def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any
     if stand_in is None:
         raise stages.missing_split(data, split, stage)
     size = stand_in.batch_size or data.batch_size  # a stream's share batches by itself
-    return TrainBatches(stand_in, size, None, {}), val_loader(data, sampler_kwargs, seed)
+    return TrainBatches(stand_in, size, None, {}, f"data.{split}_dataset"), val_loader(data, sampler_kwargs, seed)
 
 
 _TEMPORARY = re.compile(r"\.tmp-(\d+)(-[0-9a-f]+)?$")  # what atomic writes name their file until the rename

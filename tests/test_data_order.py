@@ -1,5 +1,6 @@
-"""The global order of training samples: streams, a user's sampler and a big set's shuffle each give the same
-global batches on one or two processes, resume exactly, and say what their position means."""
+"""The global order of training samples: each process's share of a drawn order, a stream's own position, what a
+checkpoint's position means, and what the order costs. That every kind of data trains the same global batches on any
+number of processes and resumes exactly is the exactness oracle's (tests/test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from runner.data.order import Drawn, Shuffled
 from conftest import TINY, compose_config, load_checkpoint
 
 TESTS = Path(__file__).resolve().parent
-STREAM = ("data._target_=stream_data.StreamData",)
+STREAM = ("data._target_=stream_data.StreamData", "trainer.limit_val_batches=8")
 WEIGHTED = ("data._target_=stream_data.WeightedData",)
-DDP2 = ("strategy=ddp", "trainer.devices=2", "data.batch_size=8")
 
 
 @pytest.fixture(autouse=True)
@@ -39,22 +39,8 @@ def _same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(first[key], second[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("data_order")
-def test_a_stream_trains_one_global_order_on_any_process_count_and_resumes_across_them(tmp_path: Path) -> None:
-    """8 steps on 1 process x 16 == 5 steps on 2 processes x 8, resumed on 1 process (with 2 loader workers) to 8."""
-    _fit(tmp_path, "one", *STREAM, "trainer.max_steps=8")
-    _fit(tmp_path, "two", *STREAM, *DDP2, "trainer.max_steps=5")
-    resumed = _fit(tmp_path, "resumed", *STREAM, "trainer.max_steps=8", "data.num_workers=2",
-                   f"trainer.ckpt_path={tmp_path / 'two' / 'checkpoints' / 'last.ckpt'}")
-    assert resumed["step"] == 8
-    _same_weights(tmp_path / "one", tmp_path / "resumed")
-    assert "resuming the stream TensorStream: read past its first 80 samples" in (
-        tmp_path / "resumed" / "runner.log").read_text()
-
-
 def test_a_stream_with_a_position_of_its_own_resumes_from_it(tmp_path: Path) -> None:
-    positioned = ("data._target_=stream_data.PositionedData",)
+    positioned = ("data._target_=stream_data.PositionedData", "trainer.limit_val_batches=8")
     _fit(tmp_path, "straight", *positioned, "trainer.max_steps=8")
     _fit(tmp_path, "first", *positioned, "trainer.max_steps=5")
     assert load_checkpoint(tmp_path / "first")["data_state"] == {"stream": {"position": 80}}
@@ -63,14 +49,6 @@ def test_a_stream_with_a_position_of_its_own_resumes_from_it(tmp_path: Path) -> 
     _same_weights(tmp_path / "straight", tmp_path / "resumed")
     log = (tmp_path / "resumed" / "runner.log").read_text()
     assert "from its own position (its state_dict), 80 samples into epoch 0" in log and "read past" not in log
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("data_order")
-def test_a_weighted_sampler_is_one_global_order_on_any_process_count(tmp_path: Path) -> None:
-    _fit(tmp_path, "one", *WEIGHTED, "trainer.max_steps=6")
-    _fit(tmp_path, "two", *WEIGHTED, *DDP2, "trainer.max_steps=6")
-    _same_weights(tmp_path / "one", tmp_path / "two")
 
 
 def test_each_process_takes_its_share_of_every_global_batch_of_a_drawn_order() -> None:

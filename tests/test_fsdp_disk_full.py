@@ -49,14 +49,14 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoin
     assert "Traceback" not in console, console
     errors = [line for line in done.stderr.splitlines() if line and not line.startswith("[")]  # not the log lines
     # Whichever rank reported first names the other after the message.
-    first, other = ("0", "1") if errors and errors[0] == "error: rank 0 failed:" else ("1", "0")
-    assert len(errors) == 3 and errors[0] == f"error: rank {first} failed:", console
-    assert errors[2] == f"then rank {other}: the same", console
+    first, other = ("0", "1") if errors and errors[0].startswith("error: rank 0: ") else ("1", "0")
+    assert len(errors) == 2 and errors[0].startswith(f"error: rank {first}: "), console
+    assert errors[1] == f"then rank {other}: the same", console
     assert re.fullmatch(
-        re.escape(f"cannot write sharded checkpoint {mount}/run/checkpoints/last.ckpt: the disk is full or a quota was "
-                  "reached (") + r"0\.\d MiB" + re.escape(f" free in {mount}/run/checkpoints): free some space there or "
-                                                   "save elsewhere; the previous checkpoint there is left intact"),
-        errors[1]), console
+        re.escape(f"error: rank {first}: cannot write sharded checkpoint {mount}/run/checkpoints/last.ckpt: the disk is "
+                  "full or a quota was reached (") + r"0\.\d MiB" + re.escape(
+            f" free in {mount}/run/checkpoints): free some space there or save elsewhere; the previous checkpoint "
+            "there is left intact"), errors[0]), console
     kept = tmp_path / "kept"
     assert sorted(p.name for p in kept.iterdir()) == ["last.ckpt"]  # the failed save's folder is gone
     checkpoint = sharded.read(kept / "last.ckpt")

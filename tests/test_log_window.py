@@ -198,8 +198,9 @@ def test_every_param_group_logs_its_lr(make_cfg: MakeCfg, tmp_path: Path) -> Non
                         "scheduler=linear", "+scheduler.total_steps=20", "trainer.max_steps=4",
                         "trainer.log_every_n_steps=2",
                         f"+logger.recorder._target_={__name__}.Recorder"), run_dir=tmp_path)
-    # Linear decay over 20 steps: after step k the rate is lr x (1 - k / 20).
-    assert logged(tmp_path, "lr") == pytest.approx({2: 0.1 * 18 / 20, 4: 0.1 * 16 / 20})
-    assert logged(tmp_path, "lr/weights") == pytest.approx({2: 0.1 * 18 / 20, 4: 0.1 * 16 / 20})
-    assert logged(tmp_path, "lr/1") == pytest.approx({2: 0.01 * 18 / 20, 4: 0.01 * 16 / 20})
-    assert final(tmp_path)["lr/1"] == pytest.approx(0.01 * 16 / 20)
+    # Linear decay over 20 steps: step k trains at lr x (1 - (k - 1) / 20), and that is the rate logged at step k
+    # (as Lightning's LearningRateMonitor logs it), not the next step's.
+    assert logged(tmp_path, "lr") == pytest.approx({2: 0.1 * 19 / 20, 4: 0.1 * 17 / 20})
+    assert logged(tmp_path, "lr/weights") == pytest.approx({2: 0.1 * 19 / 20, 4: 0.1 * 17 / 20})
+    assert logged(tmp_path, "lr/1") == pytest.approx({2: 0.01 * 19 / 20, 4: 0.01 * 17 / 20})
+    assert final(tmp_path)["lr/1"] == pytest.approx(0.01 * 17 / 20)

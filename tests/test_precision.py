@@ -68,19 +68,26 @@ def test_dtypes_through_a_training_step(name: str) -> None:
     out = train_step(precision, model, optimizer)
 
     assert out.dtype == out_dtype
-    assert precision.convert_output(out).dtype == torch.float32
+    # Losses take float32 outputs, except under 64-true, whose losses and gradients stay float64 end to end.
+    assert precision.convert_output(out).dtype == (torch.float64 if name == "64-true" else torch.float32)
     assert not torch.equal(model.weight.detach(), before), "optimizer_step left the weights unchanged"
     assert model.weight.dtype == param_dtype
     precision.teardown()
 
 
-@pytest.mark.parametrize("name", [n for n in CPU_CASES if n != "32-true"])
+@pytest.mark.parametrize("name", [n for n in CPU_CASES if n not in ("32-true", "64-true")])
 def test_convert_output_gives_float32(name: str) -> None:
     precision = CPU_CASES[name][0]()
     out = {"logits": torch.randn(2, 3, dtype=CPU_CASES[name][2]), "index": torch.tensor([1, 2])}
     converted = precision.convert_output(out)
     assert converted["logits"].dtype == torch.float32
     assert converted["index"] is out["index"]
+
+
+def test_64_true_keeps_the_outputs_in_float64() -> None:
+    """A cast to float32 before the loss would round every gradient to 7 digits: 64-true keeps them."""
+    out = {"logits": torch.randn(2, 3, dtype=torch.float64)}
+    assert DoublePrecision().convert_output(out) is out
 
 
 def test_32_true_leaves_everything_alone() -> None:

@@ -129,8 +129,8 @@ def test_resume_with_a_new_lr_follows_it_and_says_so(make_cfg: MakeCfg, tmp_path
     metrics = runner.fit(make_cfg("optimizer=sgd", "optimizer.lr=0.01", "optimizer.momentum=0.5", "scheduler=linear",
                                   "+scheduler.total_steps=20", "trainer.max_steps=12", "trainer.ckpt_path=last"),
                          run_dir=run)
-    # The schedule carries on from step 10 of 20, scaled to the new rate: 0.01 x (1 - 12/20).
-    assert metrics["lr"] == pytest.approx(0.01 * 8 / 20)
+    # The schedule carries on from step 10 of 20, scaled to the new rate: step 12 trains at 0.01 x (1 - 11/20).
+    assert metrics["lr"] == pytest.approx(0.01 * 9 / 20)
     group = load_checkpoint(run)["optimizer"]["param_groups"][0]
     assert group["momentum"] == 0.5 and group["initial_lr"] == pytest.approx(0.01)
     log = (run / "runner.log").read_text()

@@ -41,8 +41,9 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
         yield f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every step-N.ckpt"
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:
         yield f"trainer.ckpt_every_n_steps={t.ckpt_every_n_steps} must be a positive integer, or null"
-    for key in ("val_check_interval", "limit_train_batches", "limit_val_batches"):
-        yield from _check_fraction_or_count(key, t[key], allow_zero=key == "limit_val_batches")
+    for key in ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches",
+                "limit_predict_batches"):
+        yield from _check_fraction_or_count(key, t.get(key, 1.0), allow_zero=key == "limit_val_batches")
     if not (isinstance(t.fast_dev_run, bool) or (is_int(t.fast_dev_run) and t.fast_dev_run >= 0)):
         yield f"trainer.fast_dev_run={t.fast_dev_run} must be true, false or a number of batches"
     if not (is_int(t.seed) and 0 <= t.seed <= _SEED_LIMIT):

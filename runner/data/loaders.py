@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any, Iterator, Optional
@@ -12,7 +13,10 @@ from torch.utils.data import DataLoader, Sampler
 from runner.data.batches import collate
 from runner.data.modules import LoaderData
 from runner.data.order import Drawn, EvalSampler, Shuffled, TrainSampler
-from runner.data.streams import StreamShare, is_stream
+from runner.data.streams import StreamEnd, StreamShare, is_stream, shards_itself
+from runner.errors import DataError
+
+log = logging.getLogger("runner")
 
 # Samples a check collates, at most: enough to meet differing shapes, few enough to read in microseconds.
 FIRST_SAMPLES = 4
@@ -56,14 +60,15 @@ def _settings(data: Any, split: str) -> dict:
 class Loader(DataLoader):
     """A DataLoader whose failures name what failed: a sample, a collate or a stream that raises is one line naming
     the split and the error (torch's worker wrapper taken off), a loader worker that died says so; the traceback
-    goes to the run's log files."""
+    goes to the run's log files. `share`: the stream this loader reads, if it is one."""
 
-    def __init__(self, *args: Any, split: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, split: str, share: Optional[StreamShare] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.split = split
+        self.split, self.share = split, share
 
     def __iter__(self) -> Iterator[Any]:
-        return _Reading(super().__iter__(), self.split, self.num_workers)
+        reading = _Reading(super().__iter__(), self.split, self.num_workers)
+        return _Numbered(reading, self.share) if self.share is not None and self.share.numbered else reading
 
 
 class _Reading:
@@ -87,23 +92,73 @@ class _Reading:
             raise read_failed(self._split, self._workers, error) from error
 
 
+class _Numbered:
+    """A stream's batches from loader workers, each checked to come in its place of the global order: a stream
+    that reads otherwise in a worker (one that splits itself over workers, or depends on the worker) is stopped at
+    the first batch out of its place. The workers' ends (StreamEnd) say how much of the stream each read."""
+
+    def __init__(self, reading: _Reading, share: StreamShare) -> None:
+        self._reading, self._share = reading, share
+        self._next, self._ends = share.start_batch, []
+
+    def __iter__(self) -> "_Numbered":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._reading)
+
+    def __next__(self) -> Any:
+        while True:
+            item = next(self._reading)
+            if isinstance(item, StreamEnd):
+                self._ended(item)
+                continue
+            number, batch = item
+            if number != self._next:
+                raise DataError(f"{self._share.what} reads otherwise in its loader workers: batch {number} of epoch "
+                                f"{self._share.epoch} came where batch {self._next} belongs (rank "
+                                f"{self._share.rank}); each loader worker must read the whole stream (a stream that "
+                                "splits itself over workers with torch's get_worker_info() does not): set "
+                                "data.num_workers=0")
+            self._next += 1
+            return batch
+
+    def _ended(self, end: StreamEnd) -> None:
+        self._ends.append(end)
+        self._share.read = max(e.read for e in self._ends)
+        if len({e.read for e in self._ends}) > 1:
+            counts = ", ".join(f"worker {e.worker}: {e.read}" for e in sorted(self._ends, key=lambda e: e.worker))
+            raise DataError(f"{self._share.what} gave its loader workers different samples in epoch "
+                            f"{self._share.epoch} (rank {self._share.rank}; samples read by {counts}); each loader "
+                            "worker must read the whole stream: set data.num_workers=0")
+
+
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal)")
 
 
 def read_failed(split: str, workers: int, error: Exception) -> Exception:
-    """What the reading of `split`'s batches raised, as the one line a user reads; a runner error stays as it is."""
-    from runner.errors import HookFailed, is_user_error
+    """What the reading of `split`'s batches raised, as the one line a user reads; a runner error stays as it is
+    (one a loader worker raised, without torch's wrapping)."""
+    from runner.errors import HookFailed, error_line, is_user_error
 
+    if isinstance(error, DataError) and str(error).startswith("Caught "):  # torch's copy of a worker's own
+        return DataError(error_line(error).split(": ", 1)[-1])
     if is_user_error(error):
         return error
     source = f"data.{split}_dataset"
-    died = [e for e in (error.__cause__, error) if e is not None and _WORKER_DIED.search(str(e))]
-    if died:  # torch's "exited unexpectedly" carries the signal in its cause
-        said = str(died[0]).strip().rstrip(".")
+    died = worker_death(error)
+    if died:
         return HookFailed(f"a loader worker of {source}", error, what=(
-            f"died: {said} (data.num_workers={workers}; a worker killed by SIGKILL is most often the out-of-memory "
+            f"died: {died} (data.num_workers={workers}; a worker killed by SIGKILL is most often the out-of-memory "
             "killer: fewer workers or smaller samples)"))
     return HookFailed(f"reading a batch of {source}", error)
+
+
+def worker_death(error: BaseException) -> Optional[str]:
+    """torch's words for a loader worker that died (its "exited unexpectedly" carries the signal in its cause), or
+    None when `error` is not that."""
+    died = [e for e in (error.__cause__, error) if e is not None and _WORKER_DIED.search(str(e))]
+    return str(died[0]).strip().rstrip(".") if died else None
 
 
 def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int) -> DataLoader:
@@ -130,11 +185,26 @@ def _as_is(batch: Any) -> Any:
 
 
 def _stream_loader(share: StreamShare, settings: dict, seed: int, split: str) -> DataLoader:
-    """A share's batches, made in its loader workers: not persistent ones, which would keep the epoch and the start
+    """A share's batches, made in its loader workers (numbered: the loader checks their order), or in this process
+    where the stream splits itself over workers. Not persistent workers, which would keep the epoch and the start
     they were made with."""
-    return Loader(share, batch_size=None, num_workers=settings["num_workers"],
+    workers = settings["num_workers"]
+    how = shards_itself(share.stream) if workers else None
+    if how:
+        log.info("%s is read in the training process, not in its data.num_workers=%d loader workers: %s, so no "
+                 "worker would read the whole stream (the global order needs every sample in its place)",
+                 share.what, workers, how)
+        workers = 0
+    share.in_process, share.numbered = workers == 0, workers > 0
+    return Loader(share, batch_size=None, num_workers=workers,
                   pin_memory=settings["pin_memory"] and torch.cuda.is_available(), collate_fn=_as_is,
-                  generator=torch.Generator().manual_seed(seed), split=split)
+                  generator=torch.Generator().manual_seed(seed), split=split, share=share)
+
+
+def stream_read(loader: Any) -> Optional[int]:
+    """The samples of its stream `loader` read in its last pass (this process's), or None: not a stream."""
+    share = getattr(getattr(loader, "loader", loader), "share", None)
+    return share.read if share is not None else None
 
 
 class TrainBatches:
@@ -142,8 +212,10 @@ class TrainBatches:
     epoch has (`batches`, math.inf for a stream of unknown length), and `identity`, what a checkpoint's position
     in them means (the order's kind and its samples per epoch)."""
 
-    def __init__(self, loader: DataLoader, batch_size: int, position: Any, identity: dict) -> None:
+    def __init__(self, loader: DataLoader, batch_size: int, position: Any, identity: dict, what: str) -> None:
         self.loader, self.batch_size, self._position, self.identity = loader, batch_size, position, identity
+        self.what = what  # the data in a message: data.train_dataset (its class)
+        self._forgotten = False
 
     @property
     def batches(self) -> float:
@@ -153,8 +225,16 @@ class TrainBatches:
             return math.inf
 
     def state_dict(self) -> dict:
-        """Where the data stands beyond its position (a stream's own state), for the checkpoint."""
+        """Where the data stands beyond its position (a stream's own state), for the checkpoint; none once
+        `forget_state` was called (a resume then replays the data to its position)."""
+        if self._position is None or self._forgotten:
+            return {}
         return getattr(self._position, "state_dict", dict)()
+
+    def forget_state(self) -> None:
+        """A read was cut short partway (a stop signal while waiting for data): the stream's own state is past the
+        position the run stopped at, so the checkpoints keep the position alone."""
+        self._forgotten = True
 
     def load_state_dict(self, state: dict) -> None:
         if hasattr(self._position, "load_state_dict"):
@@ -177,15 +257,14 @@ def train_loader(data: Any, sampler_kwargs: Optional[dict], seed: int) -> TrainB
     batch_size = settings["batch_size"]
     if is_stream(dataset):
         share = StreamShare(dataset, batch_size, collate_fn=settings["collate_fn"], whole=True, **kwargs)
-        share.in_process = settings["num_workers"] == 0
         return TrainBatches(_stream_loader(share, settings, seed, "train"), batch_size, share,
-                            {"order": f"stream {type(dataset).__name__}", "samples": share.size})
+                            {"order": f"stream {type(dataset).__name__}", "samples": share.size}, share.what)
     own = settings.get("sampler")
     order = (Drawn(own, seed, f"data ({type(getattr(data, 'source', data)).__name__}): train_dataloader()")
              if own is not None else Shuffled(len(dataset), seed))
     sampler = TrainSampler(order, batch_size, **kwargs)
     return TrainBatches(_loader(data, "train", sampler, drop_last=True, seed=seed), batch_size, sampler,
-                        {"order": order.name, "samples": len(order)})
+                        {"order": order.name, "samples": len(order)}, f"data.train_dataset ({type(dataset).__name__})")
 
 
 def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str = "val") -> Optional[DataLoader]:
@@ -196,7 +275,8 @@ def val_loader(data: Any, sampler_kwargs: Optional[dict], seed: int, split: str 
     kwargs = sampler_kwargs or {"num_replicas": 1, "rank": 0}
     if is_stream(dataset):
         settings = _settings(data, split)
-        share = StreamShare(dataset, settings["batch_size"], collate_fn=settings["collate_fn"], whole=False, **kwargs)
+        share = StreamShare(dataset, settings["batch_size"], collate_fn=settings["collate_fn"], whole=False,
+                            split=split, **kwargs)
         return _stream_loader(share, settings, seed, split)
     return _loader(data, split, EvalSampler(dataset, **kwargs), drop_last=False, seed=seed)
 

@@ -8,6 +8,7 @@ The order is a map-style set's shuffle or a user's sampler drawn from (seed, epo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import sys
 from typing import Any, Iterator
@@ -66,8 +67,17 @@ class Drawn:
         seed = self.seed + epoch
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
+        size = len(self.sampler)
         with _seeded(seed), _own_generator(self.sampler, seed):
-            return torch.as_tensor(list(self.sampler), dtype=torch.int64)
+            # At most one index beyond its length: a sampler that never ends is found, not drawn forever.
+            order = list(itertools.islice(self.sampler, size + 1))
+        if len(order) != size:
+            from runner.errors import DataError
+
+            raise DataError(f"{self.what}: its sampler {type(self.sampler).__name__} says len() = {size} but yielded "
+                            f"{'more' if len(order) > size else len(order)} indices in epoch {epoch}: a sampler's "
+                            "__len__ must count what its __iter__ yields (the steps of an epoch are planned from it)")
+        return torch.as_tensor(order, dtype=torch.int64)
 
 
 @contextlib.contextmanager

@@ -54,21 +54,26 @@ class CSVLogger:
     # -- the file -----------------------------------------------------------------------------------
     def _write(self, row: dict[str, Any]) -> None:
         if self._fd is None:
-            self._start()
+            row = self._start(row)
         new = [name for name in row if name not in self._columns]
         if new:
             self._rewrite([*self._read_rows(), row], [*self._columns, *new])
         else:
             os.write(self._fd, self._line(row))
 
-    def _start(self) -> None:
-        """A new run starts a new file; a resumed one keeps the earlier attempt's rows before its resume step."""
+    def _start(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A new run starts a new file; a resumed one keeps the earlier attempt's rows before its resume step. A
+        resumed run's first `row` at the step the earlier attempt stopped at (a validation the stop put off) joins
+        that step's row. Returns the row to write."""
         rows: list[dict[str, str]] = []
         if self._resume_step is not None and os.path.exists(self.path):
             reader = csv.DictReader(io.StringIO(_whole_lines(self.path)))
             self._columns = list(reader.fieldnames or ["step"])
             rows = [r for r in reader if _step_of(r) is not None and _step_of(r) < self._resume_step]
+        if rows and _step_of(rows[-1]) == row["step"]:
+            row = {**{k: v for k, v in rows.pop().items() if v != ""}, **row}
         self._rewrite(rows, self._columns)
+        return row
 
     def _read_rows(self) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(io.StringIO(_whole_lines(self.path))) if _step_of(r) is not None]

@@ -25,13 +25,13 @@ def even_batches(strategy: Any, batches: Iterable, count: float) -> Iterable[tup
     batches = batches if count == math.inf else itertools.islice(batches, int(count))
     if strategy.world_size == 1 or not strategy.collective_forward:
         return ((batch, True) for batch in batches)
-    counts = _gathered(strategy, -1 if count == math.inf else int(count))
+    counts = gathered(strategy, -1 if count == math.inf else int(count))
     if min(counts) < 0:
         return _voted(strategy, iter(batches))
     return _counted(strategy, batches, counts)
 
 
-def _gathered(strategy: Any, value: int) -> list[int]:
+def gathered(strategy: Any, value: int) -> list[int]:
     """Every process's `value`, by rank (one all-reduce of a vector holding each in its own place)."""
     values = torch.zeros(strategy.world_size, dtype=torch.int64, device=strategy.root_device)
     values[strategy.global_rank] = value
@@ -61,7 +61,7 @@ def _voted(strategy: Any, batches: Iterator) -> Iterator[tuple[Any, bool]]:
     while True:
         batch = next(batches, _END)
         has = batch is not _END
-        flags = _gathered(strategy, int(has) + 2 * int(not has and template is None))
+        flags = gathered(strategy, int(has) + 2 * int(not has and template is None))
         if not any(flag & 1 for flag in flags):
             return
         if any(flag & 2 for flag in flags):

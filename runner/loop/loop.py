@@ -6,7 +6,7 @@ objects, a stage (`runner.stages`) calls `run`, `evaluate` or `predict`. Each st
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import logging
 import math
 import signal
@@ -18,14 +18,17 @@ import torch
 
 from runner.callbacks import Callbacks
 from runner.config import ConfigError
+from runner.errors import DataError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
+from runner.loop.ends import EpochEnd, check_stream_reads, empty_epoch
 from runner.loop.even import even_batches
 from runner.loop.progress import announce, fmt, loader_length, make_console, too_few_batches
 from runner.loop.schedule import Progress, make_schedule
+from runner.loop.state import check_loadable
 from runner.loop.step import TrainStep
-from runner.loop.stop import BatchVote, StopVote
+from runner.loop.stop import BatchVote, ReadCut, StopVote
 from runner.loop.train_log import TrainLog
 from runner.metrics import MetricSet
 
@@ -60,8 +63,13 @@ class Loop:
         self.console = make_console(s, self.global_batch, trainer_cfg.get("progress_bar", "auto"),
                                     strategy.is_global_zero)
         self.last_val_step = -1
+        # The step whose validation a stop signal put off: the checkpoint says so, and the resumed run validates first.
+        self.validation_due = -1
         self.periodic: Optional[list[Path]] = None  # the step-N checkpoints on disk or being written
         self.flops = StepFlops(strategy, task, wrapped, train.batch_size, trainer_cfg.get("peak_tflops"))
+        self.epoch_end = EpochEnd(strategy, s, train.what)
+        # A stop signal that comes while the data keeps this process waiting (a stream that blocks) ends the wait.
+        self.reading = getattr(stop_requested, "reading", contextlib.nullcontext)
 
     def run(self) -> dict:
         try:
@@ -76,17 +84,26 @@ class Loop:
         if s.batches_per_epoch < 1:
             raise ConfigError([too_few_batches(self)])
         announce(self)
+        if self.validation_due == self.progress.step:  # the stopped run's due validation, before any step
+            self._validate()
+        check_loadable(self, {"data_state": self.train.state_dict()})  # a stream's own state, before any step
         self.callbacks.call("on_fit_start", self)
         self.train_log.begin()
         stopped = False
         while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
             self.task.train()
-            batches = self.train.epoch(p.epoch, p.batch)
+            batches, fresh, ended = self.train.epoch(p.epoch, p.batch), p.batch == 0, False
             while p.batch < s.batches_per_epoch and not stopped and p.step < s.max_steps:
                 self.heartbeat.step(p.step)  # the launcher's stall watch sees this process advance
-                window = list(itertools.islice(batches, s.accumulate))  # the micro-batches of one optimizer step
-                if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
-                    p.batch = s.batches_per_epoch
+                try:
+                    with self.reading():  # a stop signal while the data keeps this process waiting is not lost
+                        window = self.epoch_end.window(batches, p.epoch, p.batch)  # one step's micro-batches
+                except ReadCut as cut:
+                    return self._read_cut(cut.signum)
+                if window is None:  # a stream of unknown length ended, on every process
+                    if fresh and p.batch == 0:
+                        self._empty_epoch()
+                    ended = True
                     break
                 if self.flops.pending:  # once, on the meta device; its seconds are no step's
                     self.train_log.tick += self.flops.count(window)
@@ -95,12 +112,42 @@ class Loop:
                 p.step += 1
                 self.callbacks.call("on_train_batch_end", self, self.train_step.outputs, p.step)
                 stopped = self._after_step()
-            if p.batch >= s.batches_per_epoch:
+            if ended or p.batch >= s.batches_per_epoch:  # the epoch's data is done
                 p.epoch, p.batch = p.epoch + 1, 0
                 if s.val_each_epoch and not stopped:  # a stream of unknown length: its epoch ends when it does
                     self._validate()  # a signal or a callback may end the run here
                     stopped = bool(self._signalled) or self._stop_reason is not None
+                elif s.val_each_epoch and self._signalled:
+                    self.validation_due = p.step
         return self._finish()
+
+    def _read_cut(self, signum: int) -> dict:
+        """A stop signal came while this process waited for its training data, which did not come in time: one
+        process stops where it stands, saved (its data replays to this step on resume); one of several ends its
+        job without a checkpoint of this step (the others wait on it in their collectives)."""
+        name, p = signal.Signals(signum).name, self.progress
+        if self.strategy.world_size > 1:
+            last = self.run_dir / "checkpoints" / "last.ckpt"
+            kept = f"the last checkpoint is {last}" if last.exists() else "no checkpoint was saved yet"
+            raise DataError(f"stopped by {name} while rank {self.strategy.global_rank} waited for its training data "
+                            f"after step {p.step} ({self.epoch_end.what} gave nothing in time); {kept}")
+        log.warning("%s came while the training data kept this process waiting after step %d: the read is cut, "
+                    "and last.ckpt keeps the data's position alone (a resume replays the data to it)", name, p.step)
+        self.train.forget_state()
+        self._signalled = signum
+        return self._finish()
+
+    def _empty_epoch(self) -> None:
+        """An epoch with no optimizer step in it ends the run (it would only be followed by more such epochs):
+        saved at the start of that epoch, then one line."""
+        p = self.progress
+        p.epoch, p.batch = p.epoch + 1, 0
+        saved = "nothing was saved (trainer.fast_dev_run)" if p.step else "nothing was trained"
+        if self.schedule.save and p.step:
+            self.train_log.collect()  # the last log step's line comes before the checkpoint
+            state.save(self, periodic=False)
+            saved = f"last.ckpt is saved at step {p.step} ({self.run_dir / 'checkpoints' / 'last.ckpt'})"
+        raise empty_epoch(self.epoch_end.what, p.epoch - 1, p.step, saved)
 
     def _after_step(self) -> bool:
         """Log, validate and checkpoint when due. Returns True when the run must stop (a signal or a callback)."""
@@ -114,6 +161,8 @@ class Loop:
         elif self._signalled:  # the end of the run: its last window is logged, and left open for a resume
             train_log.start(close=False)
         validate = step % s.val_every == 0 and not self._signalled
+        if step % s.val_every == 0 and self._signalled:
+            self.validation_due = step
         if validate or periodic or self._signalled:
             train_log.collect()  # a step's train line comes before its val line and its checkpoint
         if validate:
@@ -165,8 +214,10 @@ class Loop:
         if validating:
             self.callbacks.call("on_validation_start", self)
         batch_end = self.callbacks.methods("on_validation_batch_end") if validating else ()
-        count = min(limit, loader_length(loader))
-        vote = BatchVote(self.strategy, self.stop_vote.requested, count)
+        length = loader_length(loader)  # math.inf: a stream that does not say (then a limit bounds the pass)
+        count = min(limit, length)
+        # Only a length every process knows is a count they vote over; a limited stream may end before the limit.
+        vote = BatchVote(self.strategy, self.stop_vote.requested, count if length < math.inf else math.inf)
         signalled, done = 0, 0
         with torch.no_grad():
             batches = even_batches(self.strategy, self.console.batches(loader, limit, prefix), count)
@@ -187,6 +238,8 @@ class Loop:
         self.task.train()
         if validating:
             self.callbacks.call("on_validation_epoch_end", self)
+        if length == math.inf:  # the processes read one stream: as far, each
+            check_stream_reads(self.strategy, loader, prefix)
         totals = dict(zip(names, self.strategy.all_reduce(sums, reduce_op="sum").tolist()))
         extra = self.metrics.compute("val", prefix)  # every process, even one without a sample
         signalled = signalled or vote.final()
@@ -246,6 +299,7 @@ class Loop:
         """Write the run's state to `path` (rank 0, through the checkpoint IO); every process calls it."""
         state = self.state_dict() if state is None else state
         self.callbacks.call("on_save_checkpoint", self, state)
+        check_loadable(self, state)
         self.strategy.save_checkpoint(state, path)
         self.callbacks.call("on_checkpoint_saved", self, path)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from runner.checkpoint_io import CheckpointError
+from runner.checkpoint_io.plain import unloadable
 from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import ConfigError
 from runner.loop.schedule import Progress
@@ -46,6 +48,8 @@ def state_dict(loop: Any) -> dict:
         "train_window": loop.train_log.state_dict(),  # a collective: every process saves
         "schedule": _schedule_record(loop, _schedule_start(loop)),  # what a resume must continue (or start anew)
         "run_dir": _run_folder(loop),  # its own checkpoints a run always resumes exactly (restarts, requeues)
+        # A validation due at this step that a stop signal put off (the resumed run runs it first).
+        "validation_due": loop.validation_due == p.step and loop.last_val_step != p.step,
     }
 
 
@@ -80,6 +84,7 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
     loop.train_log.load_state_dict(checkpoint.get("train_window", {}))  # older checkpoints: an empty window
     loop.logger.resume_at(checkpoint["step"] + 1)
     loop.last_val_step = -1
+    loop.validation_due = checkpoint["step"] if checkpoint.get("validation_due") else -1
 
 
 def _checked_position(loop: Any, checkpoint: dict) -> int:
@@ -265,6 +270,23 @@ def save(loop: Any, periodic: bool) -> None:
     loop.train_log.tick += time.perf_counter() - start  # the log window goes on: a save's time is not training
 
 
+def check_loadable(loop: Any, state: dict) -> None:
+    """A checkpoint holds what a weights-only load reads back: a stream's or a callback's state_dict() that returns
+    anything else (an object, a NumPy value) is refused before the file is written, naming whose state it is, so a
+    run never writes a checkpoint it could not resume from (the previous one stays as it was)."""
+    problem = unloadable(state)
+    if problem is None:
+        return
+    path, _, kind = problem.partition(": ")
+    owners = {"data_state.stream": f"{loop.train.what}.state_dict()", "callbacks": "a callback's state_dict()"}
+    owner = next((who for prefix, who in owners.items() if path.startswith(prefix)), "the checkpoint's state")
+    last = loop.run_dir / "checkpoints" / "last.ckpt"
+    kept = f"the last checkpoint written is {last}" if last.exists() else "no checkpoint was written yet"
+    raise CheckpointError(f"{owner} holds {kind} (at {path}), which a checkpoint cannot hold: a weights-only load reads "
+                          f"tensors, numbers, strings and lists, tuples and dicts of them; return those from it; no "
+                          f"checkpoint is written at step {loop.progress.step}, and {kept}")
+
+
 def _check_finite_weights(loop: Any) -> None:
     """No checkpoint holds a NaN or inf weight: a non-finite gradient (or clipping value) can leave the loss
     finite for a step, and a stop signal saves before the next log step checks it."""
@@ -280,8 +302,8 @@ def _check_finite_weights(loop: Any) -> None:
 def _check_same_optimizer(optimizer: Any, checkpoint: dict) -> None:
     """A checkpoint of another optimizer would load and fail at its first step (a missing hyperparameter)."""
     saved_groups = checkpoint["optimizer"].get("param_groups") or [{}]
-    saved, mine = set(saved_groups[0]) - {"params", "initial_lr"}, set(optimizer.param_groups[0]) - {"params",
-                                                                                                 "initial_lr"}
+    ignored = {"params", "initial_lr", "name"}  # a group's name is no setting (older checkpoints have none)
+    saved, mine = set(saved_groups[0]) - ignored, set(optimizer.param_groups[0]) - ignored
     if saved == mine and len(saved_groups) != len(optimizer.param_groups):
         raise ConfigError([f"trainer.ckpt_path: the checkpoint's optimizer has {len(saved_groups)} parameter "
                            f"group(s), this run's {len(optimizer.param_groups)} (optimizer._no_decay_ makes a second "
@@ -306,7 +328,8 @@ def _apply_settings(optimizer: Any, scheduler: Any, configured: list[dict], base
                 scheduler.base_lrs[index] = base_lrs[index]
         for key, value in settings.items():
             if key not in ("params", "lr", "initial_lr") and group.get(key) != value:
-                changes.append(f"{key} {group.get(key)} -> {value}")
+                if key != "name":  # the group's name in the logs, not a setting that changed
+                    changes.append(f"{key} {group.get(key)} -> {value}")
                 group[key] = value
     if hasattr(scheduler, "_last_lr"):
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -74,6 +74,7 @@ class TrainStep:
         # The total 2-norm of the last clipped step's gradients before clipping (a device tensor: no host sync).
         self.grad_norm: Optional[torch.Tensor] = None
         self.outputs: list = []  # the last step's micro-batch outputs, kept only for on_train_batch_end
+        self.lrs: Optional[list] = None  # each param group's learning rate in the last step (before the scheduler's)
         # A task with one loss per named optimizer: [(name, its parameters)], each loss back-propagated into its own.
         self.parts = loss_parts(task.task, optimizer)
 
@@ -84,6 +85,7 @@ class TrainStep:
         mean over every unit of the global batch, whatever its split over processes and micro-batches.
         `loop`'s callbacks get on_before_optimizer_step, and on_train_batch_end reads `outputs`.
         """
+        self.lrs = [group["lr"] for group in self.optimizer.param_groups]  # what this step trains with (logged)
         scale, stats, counts, last = self.weights.start(window), [], [], len(window) - 1
         hooks = loop.callbacks if loop is not None else None
         keep = hooks is not None and hooks.has("on_train_batch_end")

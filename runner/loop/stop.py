@@ -9,6 +9,16 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 
+class ReadCut(BaseException):
+    """A stop signal came while the loop waited for its training data, and the read did not end in time: the loop
+    stops where it stands (raised in the loop's thread by the worker's signal handling). A BaseException, as
+    KeyboardInterrupt is, so that no handler of the data's errors takes it for one."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopVote:
     """Processes agree to stop at one step: each step starts a reduction of the signal each process got (0: none),
     read at the next step, so a stop comes at most two steps after the signal, whatever the log interval."""

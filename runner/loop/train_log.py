@@ -28,7 +28,7 @@ class _PendingLog:
     step: int
     epoch: int
     elapsed: float  # seconds of training the sums cover
-    lrs: list  # each param group's learning rate
+    lrs: list  # each param group's learning rate in the window's last step
     skipped: int
     extra: dict  # the `metrics` config's train values, computed (a collective) when the log step started
 
@@ -58,10 +58,10 @@ class TrainLog:
         """
         loop, p = self.loop, self.loop.progress
         sums = self._sums()
-        now = time.perf_counter()
+        now, lrs = time.perf_counter(), loop.train_step.lrs or [group["lr"] for group in loop.optimizer.param_groups]
         self._pending = _PendingLog(
             reduced=loop.strategy.start_all_reduce(sums, reduce_op="sum"), step=p.step, epoch=p.epoch,
-            elapsed=now - self.tick, lrs=[group["lr"] for group in loop.optimizer.param_groups],
+            elapsed=now - self.tick, lrs=lrs,
             skipped=loop.train_step.guard.skipped, extra=loop.metrics.compute("train"))
         self.last_step = p.step
         if close:

@@ -95,32 +95,36 @@ def leading_size(batch: Any) -> int:
 
 
 def stats_row(*columns: Union[torch.Tensor, float]) -> torch.Tensor:
-    """One (1, K) float32 row from tensors (detached) and plain numbers, on the tensors' device.
+    """One (1, K) row from tensors (detached) and plain numbers, on the tensors' device: float32, or float64 where a
+    tensor is (64-true keeps its statistics at its own precision).
 
     Consecutive numbers become one small tensor: one host-to-device copy, not one per number.
     """
-    device = next(c for c in columns if isinstance(c, torch.Tensor)).device
+    tensors = [c for c in columns if isinstance(c, torch.Tensor)]
+    device = tensors[0].device
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     parts: list[torch.Tensor] = []
     numbers: list[float] = []
     for column in columns:
         if isinstance(column, torch.Tensor):
             if numbers:
-                parts.append(numbers_tensor(numbers, device))
+                parts.append(numbers_tensor(numbers, device, dtype))
                 numbers = []
-            parts.append(column.detach().float().reshape(1))
+            parts.append(column.detach().to(dtype).reshape(1))
         else:
             numbers.append(float(column))
     if numbers:
-        parts.append(numbers_tensor(numbers, device))
+        parts.append(numbers_tensor(numbers, device, dtype))
     return torch.cat(parts).reshape(1, -1)
 
 
-def numbers_tensor(numbers: list, device: torch.device) -> torch.Tensor:
-    """A float32 tensor of plain numbers on `device`; on the CPU through a C array (half torch.tensor's cost per
-    step), elsewhere one host-to-device copy. The caller copies it on (cat): the tensor shares the array's memory."""
+def numbers_tensor(numbers: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A float32 (or float64) tensor of plain numbers on `device`; on the CPU through a C array (half torch.tensor's
+    cost per step), elsewhere one host-to-device copy. The caller copies it on (cat): the tensor shares the array's
+    memory."""
     if device.type == "cpu":
-        return torch.frombuffer(array.array("f", numbers), dtype=torch.float32)
-    return torch.tensor(numbers, dtype=torch.float32, device=device)
+        return torch.frombuffer(array.array("d" if dtype == torch.float64 else "f", numbers), dtype=dtype)
+    return torch.tensor(numbers, dtype=dtype, device=device)
 
 
 def plural(unit: str) -> str:
