@@ -219,3 +219,54 @@ def test_a_small_model_is_tried_on_the_cpu_without_the_meta_kernels_imports(tmp_
     batch = torch.stack([data.train_dataset[i][0] for i in range(2)]), torch.tensor([0, 1])
     module = TaskModule(runner.build.build_model(cfg), runner.build.build_task(cfg), Precision())
     assert count_flops(module, batch) == count_flops(module, batch, on_meta=False) > 0
+
+
+# -- nested targets -----------------------------------------------------------------------------------------------
+LIT_MODEL = """_target_: lightning_template.LitTemplate
+num_classes: 4
+net:
+  _target_: lightning_template.SmallCNN
+  in_channels: 3
+  num_classes: 4
+optimizer:
+  _target_: torch.optim.Adam
+  _partial_: true
+  lr: 0.001
+  weight_decay: 0.0
+scheduler:
+  _target_: torch.optim.lr_scheduler.ReduceLROnPlateau
+  _partial_: true
+  mode: min
+  patience: 10
+"""
+LIT = ("accelerator=cpu", "model=lit", "data=images", "trainer.max_steps=4")
+
+
+@pytest.fixture
+def lit_conf(tmp_path: Path) -> Path:
+    """lightning-hydra-template's model config (a LightningModule with nested net, optimizer and scheduler), and
+    3-channel images."""
+    for group, text in (("model", LIT_MODEL), ("data", "_target_: lightning_template.ImageData\nbatch_size: 16\n")):
+        (tmp_path / "conf" / group).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / group / "lit.yaml" if group == "model" else tmp_path / "conf" / group / "images.yaml"
+         ).write_text(text)
+    (tmp_path / "conf" / "model" / "with_net.yaml").write_text(
+        "_target_: stage_check_fixtures.WithNet\nnet:\n  _target_: runner.models.MLP\n  in_features: 32\n")
+    return tmp_path / "conf"
+
+
+def test_nested_targets_are_checked_against_their_signatures(lit_conf: Path) -> None:
+    """A typo in a nested node (a `_partial_` optimizer of a LightningModule, a plain model's net) is one line naming
+    the key and the allowed ones, as for a group's own keys."""
+    from runner.checks import validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(runner.compose([*LIT, "+model.optimizer.weight_decy=0.1", "+model.net.chanels=3"], config_dir=lit_conf))
+    net, optimizer = refused.value.problems  # in the config's order
+    assert net == ("model.net.chanels is not a setting of model.net (lightning_template.SmallCNN) (did you mean "
+                   "in_channels?); allowed: in_channels, num_classes")
+    assert optimizer.startswith(
+        "model.optimizer.weight_decy is not a setting of model.optimizer (torch.optim.Adam) (did you mean "
+        "weight_decay?); allowed: amsgrad, betas,")
+    with pytest.raises(ConfigError, match=r"model.net.widht is not a setting of model.net \(runner.models.MLP\)"):
+        validate(runner.compose(["model=with_net", "+model.net.widht=3"], config_dir=lit_conf))
