@@ -221,7 +221,56 @@ def test_a_small_model_is_tried_on_the_cpu_without_the_meta_kernels_imports(tmp_
     assert count_flops(module, batch) == count_flops(module, batch, on_meta=False) > 0
 
 
-# -- nested targets -----------------------------------------------------------------------------------------------
+# -- streams, the first batch of data.batch_size, nested targets, a LightningModule's steps -------------------------
+SMALL = ("accelerator=cpu", "data.num_samples=64", "data.val_samples=32", "data.batch_size=16", "data.num_features=8",
+         "model.hidden=16", "trainer.max_steps=4")
+
+
+@pytest.fixture(scope="module")
+def map_style_flops() -> float:
+    return check_config(SMALL)["gflop_per_sample"]
+
+
+@pytest.mark.parametrize("data", ["stream_data.StreamData", "stream_data.StreamData +data.sized=true",
+                                  "stage_check_fixtures.IterableData", "stage_check_fixtures.StreamLoaderData",
+                                  "stage_check_fixtures.HFStreamData"],
+                         ids=["torch-stream", "sized-torch-stream", "plain-iterable", "train_dataloader", "hf-stream"])
+def test_a_stream_is_checked_from_its_first_samples(data: str, map_style_flops: float) -> None:
+    """The check reads a stream's first samples from its iterator, never its len() or indexing, and does with them
+    what it does with a map-style set's: the model's FLOPs over them, and a model that does not take them refused."""
+    if data.endswith("HFStreamData"):
+        pytest.importorskip("datasets")
+    target, *extra = data.split()
+    overrides = [*SMALL, f"data._target_={target}", *extra]
+    found = check_config(overrides)
+    assert found["gflop_per_sample"] == pytest.approx(map_style_flops) and "first batch (16 samples)" in found["report"]
+    with pytest.raises(ConfigError, match=r"model \(runner.models.MLP\) does not take the batches of data .*"
+                                          r"model.in_features=7"):
+        check_config([*overrides, "model.in_features=7"])
+
+
+def test_a_stream_shorter_than_a_batch_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data \(stage_check_fixtures.ShortStream\): train_dataset \(a stream\) "
+                                          r"ended after 3 samples, fewer than one batch \(data.batch_size=16\)"):
+        check_config([*SMALL, "data._target_=stage_check_fixtures.ShortStream"])
+
+
+def test_a_batch_of_data_batch_size_goes_through_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that takes 2 samples but not data.batch_size of them fails the check, as its first step would: on the
+    CPU (a small model), and on the meta device (a large one, shapes only)."""
+    overrides = [*SMALL, "model._target_=stage_check_fixtures.AtMostFour"]
+    line = r"model \(stage_check_fixtures.AtMostFour\) fails on the first batch of data.batch_size=16 samples"
+    with pytest.raises(ConfigError, match=line + r", where 2 samples pass \(forward and backward, on the CPU\): "
+                                                 r"RuntimeError: The size of tensor a \(16\) must match the size of "
+                                                 r"tensor b \(4\)"):
+        check_config(overrides)
+    assert "first batch (4 samples)" in check_config([*overrides, "data.batch_size=4"])["report"]
+    monkeypatch.setattr("runner.build.TRIAL_ON_CPU_PARAMETERS", 0)
+    with pytest.raises(ConfigError, match=line + r" \(forward and backward, on the meta device: shapes only\): "
+                                                 r"RuntimeError: .*\[4, 4\].*\[16, 4\]"):
+        check_config(overrides)
+
+
 LIT_MODEL = """_target_: lightning_template.LitTemplate
 num_classes: 4
 net:
