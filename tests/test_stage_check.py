@@ -319,3 +319,33 @@ def test_nested_targets_are_checked_against_their_signatures(lit_conf: Path) -> 
         "weight_decay?); allowed: amsgrad, betas,")
     with pytest.raises(ConfigError, match=r"model.net.widht is not a setting of model.net \(runner.models.MLP\)"):
         validate(runner.compose(["model=with_net", "+model.net.widht=3"], config_dir=lit_conf))
+
+
+def test_a_lightning_module_runs_its_steps_on_a_first_batch(lit_conf: Path) -> None:
+    """training_step and validation_step run on a batch on the CPU with the trainer view attached: a 1-channel net on
+    3-channel images is one line naming the module and both sizes, as is a validation_step that fails."""
+    found = check_config(LIT, config_dir=lit_conf)
+    assert "training_step and validation_step ran on a first batch (16 samples) on the CPU" in found["report"]
+    assert found["gflop_per_sample"] > 0 and "not estimated (its configure_optimizers() chooses" in found["report"]
+    with pytest.raises(ConfigError) as refused:
+        check_config([*LIT, "model.net.in_channels=1"], config_dir=lit_conf)
+    assert len(refused.value.problems) == 1
+    line = refused.value.problems[0]
+    assert line.startswith("model (lightning_template.LitTemplate): training_step fails on the first batch of "
+                           "data.batch_size=16 samples, in net.features.0 (Conv2d): RuntimeError:"), line
+    assert "[8, 1, 3, 3]" in line and "[16, 3, 8, 8]" in line and "\n" not in line
+    with pytest.raises(ConfigError, match=r"model \(lightning_template.ValidationBreaks\): validation_step fails on "
+                                          r"the first val_dataset batch of data.batch_size=16 samples: TypeError"):
+        check_config([*LIT, "model._target_=lightning_template.ValidationBreaks"], config_dir=lit_conf)
+
+
+def test_check_data_sets_up_a_lightning_data_module_with_the_trainer_view(tmp_path: Path) -> None:
+    """GlobalBatchData.setup() reads self.trainer.world_size, as a LightningDataModule may: stage=check_data gives it
+    the trainer view (it read None and failed), then the module's steps run on its loader's first batch."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "lit.yaml").write_text("_target_: lightning_modules.GlobalBatchData\nglobal_batch_size: 16\n"
+                                                "num_samples: 64\nval_samples: 32\nnum_features: 8\nnum_classes: 4\n")
+    overrides = ["accelerator=cpu", "data=lit", "model._target_=lightning_modules.LitClassifier",
+                 "model.in_features=8", "model.num_classes=4", "trainer.max_steps=4"]
+    found = check_config(overrides, config_dir=tmp_path, stage="check_data")
+    assert "training_step and validation_step ran on a first batch (16 samples) on the CPU" in found["report"]

@@ -1,5 +1,6 @@
 """The check stage (`stage=check`): every check of `validate`, the first batch of data.batch_size samples through the
-model and task (runner.checks.trial), and what the run would hold per process; nothing launched, trained or written.
+model and task (or a LightningModule's steps, see runner.checks.trial), and what the run would hold per process;
+nothing launched, trained or written.
 
 CLI → compose → [validate → first batch → report] and stop: what CI calls instead of a short run. The config is
 checked as the training run it describes (stage=fit), in this one process, whatever the number of processes or
@@ -108,8 +109,10 @@ def _seed_dynamo_disable() -> list:
 
 def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
     """The data (the checks' own build, handed over) after build_data's checks: contract, first batches, and the
-    model and task over two samples. None for a data module unless `with_setup`."""
+    model and task over two samples. None for a data module unless `with_setup`; its setup reads a trainer view (one
+    process, as the check runs)."""
     from runner.data import is_data_module
+    from runner.lightning import TrainerView
 
     try:
         module = is_data_module(get_method(str(cfg.data._target_)))
@@ -120,7 +123,7 @@ def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
     quiet = log.level
     log.setLevel(logging.WARNING)  # build_data's words on a build for training do not concern a check
     try:
-        return build_data(cfg)
+        return build_data(cfg, trainer=TrainerView(cfg))
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - its constructor, prepare_data or setup: one line, not a traceback
@@ -164,6 +167,7 @@ def measure(cfg: DictConfig, data: Any) -> dict:
     """Parameters (trainable and frozen) of the model built on the meta device, the first batch's trial (what ran,
     its FLOPs per sample; runner.checks.trial), and the bytes per process its run would hold."""
     from runner.checks.trial import first_batch_trial
+    from runner.lightning import is_lightning_config
 
     with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
         model = build_model(cfg)
@@ -174,6 +178,8 @@ def measure(cfg: DictConfig, data: Any) -> dict:
     findings = {"parameters": total, "trainable": trainable, "first_batch": trial.tried,
                 "gflop_per_sample": trial.gflop_per_sample, "flops_not_counted": trial.not_counted}
     findings.update(per_process_memory(cfg, total, trainable, optimizer_state_elements(cfg, model, trainable)))
+    findings["optimizer_state_unknown"] = ("its configure_optimizers() chooses the optimizer" if is_lightning_config(cfg)
+                                           else "an optimizer this check does not know")
     return findings
 
 
@@ -240,7 +246,7 @@ def report_line(findings: dict) -> str:
     flops_text = (f"{flops:.2g} GFLOP per sample" if flops is not None
                   else f"FLOPs not counted{f' ({why_not})' if why_not else ''}")
     state = findings["optimizer_state_bytes"]
-    state_text = _size(state) if state is not None else "not estimated (an optimizer this check does not know)"
+    state_text = _size(state) if state is not None else f"not estimated ({findings['optimizer_state_unknown']})"
     world = findings["world_size"]
     return (f"check: ok — model {_count(findings['parameters'])} parameters ({_count(findings['trainable'])} "
             f"trainable), {findings['first_batch']}, {flops_text}; per process ({findings['strategy']}, {world} process{'es' if world > 1 else ''}"

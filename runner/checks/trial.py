@@ -1,6 +1,6 @@
 """The check stage's first batch: data.batch_size samples read as the loop's loader reads them (a stream's from its
 iterator, never its len() or indexing), collated, and passed forward and backward through the model and task as the
-first step passes them; what fails is one line.
+first step passes them, or through a LightningModule's own training_step and validation_step; what fails is one line.
 
 CLI → compose → validate → [dry run: the data, this trial, the report]. A small model of a CPU run runs on the CPU
 (runner.build.trial_model), a batch whose FLOPs would cost more than CPU_BATCH_FLOPS there and a large model on the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional
@@ -19,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import DictConfig
 
-from runner.build import build_task, model_data_mismatch, python_rng_kept, trial_model
+from runner.build import build_accelerator, build_task, model_data_mismatch, python_rng_kept, trial_model
 from runner.config import ConfigError
 from runner.values import one_line
 
@@ -48,19 +49,19 @@ class FirstBatch:
 
 
 def first_batch_trial(cfg: DictConfig, data: Any) -> Trial:
-    """The first batch of the training data through the model; a ConfigError naming what failed. `data` None: a data
-    module the check does not set up."""
+    """The first batch of the training data through the model (or a LightningModule's steps); a ConfigError naming
+    what failed. `data` None: a data module the check does not set up."""
     from runner.lightning import is_lightning_config
 
+    lightning = is_lightning_config(cfg)
     if data is None:
-        return Trial("no batch was tried: the data module is not set up (stage=check_data sets it up)")
-    if is_lightning_config(cfg):
-        return Trial("no batch was tried: a LightningModule's steps run in the workers only")
+        return Trial(f"{'its steps were not run' if lightning else 'no batch was tried'}: the data module is not set "
+                     "up (stage=check_data sets it up)")
     first = read_first_batch(cfg, data, "train")
     if first is None:
         return Trial("no batch was tried: train_dataset is empty")
     with torch.random.fork_rng(devices=[]), python_rng_kept():
-        return model_trial(cfg, first)
+        return lightning_trial(cfg, data, first) if lightning else model_trial(cfg, first)
 
 
 def read_first_batch(cfg: DictConfig, data: Any, split: str) -> Optional[FirstBatch]:
@@ -249,3 +250,42 @@ def in_module(running: list) -> str:
         return ""
     name, module = running[-1]
     return f", in {name} ({type(module).__name__})"
+
+
+def lightning_trial(cfg: DictConfig, data: Any, first: FirstBatch) -> Trial:
+    """A LightningModule of at most TRIAL_ON_CPU_PARAMETERS parameters, for a CPU run: its training_step (forward and
+    backward, FLOPs counted) on the first training batch and validation_step on the first validation batch."""
+    from runner.build import TRIAL_ON_CPU_PARAMETERS
+    from runner.lightning.trial import NotTried, StepFailed, run_steps
+
+    model, device = trial_model(cfg)
+    if device != "cpu":
+        kind = build_accelerator(cfg).device_type
+        why = (f"accelerator={kind}: they run on the CPU for a CPU run only" if kind != "cpu" else
+               f"over {TRIAL_ON_CPU_PARAMETERS / 1e6:.3g}M parameters, they run in the workers only")
+        return Trial(f"its training_step and validation_step were not run ({why})")
+    val = read_first_batch(cfg, data, "val")
+    try:
+        with located(model) as running, _runner_log_quiet():  # the worker's lines on the module are not the check's
+            flops, ran = run_steps(model, cfg, first.batch, val.batch if val is not None else None)
+    except StepFailed as failed:
+        batch = first if failed.step == "training_step" else val
+        raise ConfigError([f"model ({cfg.model._target_}): {failed.step} fails on {batch.words}"
+                           f"{in_module(running)}: {one_line(failed.error)}"]) from failed
+    except NotTried as why:
+        return Trial(f"its training_step and validation_step were not run: {why}")
+    tried = f"{' and '.join(ran) or 'no step'} ran on a first batch ({first.count} samples) on the CPU"
+    if flops is None:
+        return Trial(tried, None, "manual optimization: training_step steps the optimizers a worker gives it")
+    return _counted(tried, flops, first.count)
+
+
+@contextlib.contextmanager
+def _runner_log_quiet() -> Iterator[None]:
+    log = logging.getLogger("runner")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
