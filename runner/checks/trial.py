@@ -46,6 +46,8 @@ class FirstBatch:
     count: int
     pair: Any
     words: str  # "the first batch of data.batch_size=16 samples", "the first val_dataset batch of ...", ...
+    stream_samples: Optional[list]  # a stream's samples as read (a map-style set's are read again by index)
+    collate_fn: Any
 
 
 def first_batch_trial(cfg: DictConfig, data: Any) -> Trial:
@@ -57,10 +59,10 @@ def first_batch_trial(cfg: DictConfig, data: Any) -> Trial:
     if data is None:
         return Trial(f"{'its steps were not run' if lightning else 'no batch was tried'}: the data module is not set "
                      "up (stage=check_data sets it up)")
-    first = read_first_batch(cfg, data, "train")
-    if first is None:
-        return Trial("no batch was tried: train_dataset is empty")
-    with torch.random.fork_rng(devices=[]), python_rng_kept():
+    with torch.random.fork_rng(devices=[]), python_rng_kept():  # a stream or a model may draw from them
+        first = read_first_batch(cfg, data, "train")
+        if first is None:
+            return Trial("no batch was tried: train_dataset is empty")
         return lightning_trial(cfg, data, first) if lightning else model_trial(cfg, first)
 
 
@@ -74,28 +76,17 @@ def read_first_batch(cfg: DictConfig, data: Any, split: str) -> Optional[FirstBa
         return None
     batch_size, collate_fn, size_words = _loader_settings(data, split)
     what = f"data ({cfg.data._target_})"
-    if is_stream(dataset):
-        try:
-            samples = list(itertools.islice(iter(dataset), batch_size))
-        except Exception as error:  # noqa: BLE001 - the stream's own code: its failure is the user's to fix
-            raise ConfigError([f"{what}: reading the first {batch_size} samples of {split}_dataset (a stream) fails: "
-                               f"{one_line(error)}"]) from error
-        if split == "train" and len(samples) < batch_size:
-            raise ConfigError([f"{what}: {split}_dataset (a stream) ended after {len(samples)} samples, fewer than "
-                               f"one batch ({size_words}); training takes whole batches, so an epoch would train "
-                               "nothing"])
-        if split == "train":  # a stream's first samples meet the model as a map-style set's do in build_data
-            problem = model_data_mismatch(cfg, SimpleNamespace(train_dataset=samples, collate_fn=collate_fn))
-            if problem:
-                raise ConfigError([problem])
-        count = len(samples)
-    else:
-        count = min(batch_size, len(dataset))
-        try:
-            samples = _indexed(dataset, count)
-        except Exception as error:  # noqa: BLE001
-            raise ConfigError([f"{what}: reading the first {count} samples of {split}_dataset fails: "
-                               f"{one_line(error)}"]) from error
+    stream = is_stream(dataset)
+    count = batch_size if stream else min(batch_size, len(dataset))
+    try:
+        samples = list(itertools.islice(iter(dataset), count)) if stream else _indexed(dataset, count)
+    except Exception as error:  # noqa: BLE001 - the data's own code: its failure is the user's to fix
+        raise ConfigError([f"{what}: reading the first {count} samples of {split}_dataset"
+                           f"{' (a stream)' if stream else ''} fails: {one_line(error)}"]) from error
+    if stream and split == "train" and len(samples) < batch_size:
+        raise ConfigError([f"{what}: {split}_dataset (a stream) ended after {len(samples)} samples, fewer than one "
+                           f"batch ({size_words}); training takes whole batches, so an epoch would train nothing"])
+    count = len(samples) if stream else count
     if count == 0:
         return None
     batch = _collated(what, split, collate_fn, samples, count)
@@ -103,7 +94,7 @@ def read_first_batch(cfg: DictConfig, data: Any, split: str) -> Optional[FirstBa
                                               else _indexed(dataset, 2), 2)
     which = "the first batch" if split == "train" else f"the first {split}_dataset batch"
     words = f"{which} of {size_words} samples" if count == batch_size else f"{which} (all {count} samples)"
-    return FirstBatch(batch, count, pair, words)
+    return FirstBatch(batch, count, pair, words, samples if stream else None, collate_fn)
 
 
 def _loader_settings(data: Any, split: str) -> tuple[int, Any, str]:
@@ -139,6 +130,11 @@ def model_trial(cfg: DictConfig, first: FirstBatch) -> Trial:
     builds the model there and the batch costs at most CPU_BATCH_FLOPS (two samples tell), else on the meta device."""
     from runner.flops import meta_twin
 
+    if first.stream_samples is not None:  # a stream's first samples meet the model as a map-style set's do in
+        problem = model_data_mismatch(  # build_data, with the same line
+            cfg, SimpleNamespace(train_dataset=first.stream_samples, collate_fn=first.collate_fn))
+        if problem:
+            raise ConfigError([problem])
     model, device = trial_model(cfg)
     task = build_task(cfg)
     whole = first.words
