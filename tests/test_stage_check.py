@@ -310,7 +310,8 @@ def test_nested_targets_are_checked_against_their_signatures(lit_conf: Path) -> 
     from runner.checks import validate
 
     with pytest.raises(ConfigError) as refused:
-        validate(runner.compose([*LIT, "+model.optimizer.weight_decy=0.1", "+model.net.chanels=3"], config_dir=lit_conf))
+        validate(runner.compose([*LIT, "+model.optimizer.weight_decy=0.1", "+model.net.chanels=3"],
+                                config_dir=lit_conf))
     net, optimizer = refused.value.problems  # in the config's order
     assert net == ("model.net.chanels is not a setting of model.net (lightning_template.SmallCNN) (did you mean "
                    "in_channels?); allowed: in_channels, num_classes")

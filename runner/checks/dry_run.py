@@ -178,7 +178,8 @@ def measure(cfg: DictConfig, data: Any) -> dict:
     findings = {"parameters": total, "trainable": trainable, "first_batch": trial.tried,
                 "gflop_per_sample": trial.gflop_per_sample, "flops_not_counted": trial.not_counted}
     findings.update(per_process_memory(cfg, total, trainable, optimizer_state_elements(cfg, model, trainable)))
-    findings["optimizer_state_unknown"] = ("its configure_optimizers() chooses the optimizer" if is_lightning_config(cfg)
+    lightning = is_lightning_config(cfg)
+    findings["optimizer_state_unknown"] = ("its configure_optimizers() chooses the optimizer" if lightning
                                            else "an optimizer this check does not know")
     return findings
 
@@ -248,9 +249,10 @@ def report_line(findings: dict) -> str:
     state = findings["optimizer_state_bytes"]
     state_text = _size(state) if state is not None else f"not estimated ({findings['optimizer_state_unknown']})"
     world = findings["world_size"]
+    processes = f"{world} process{'es' if world > 1 else ''}"
     return (f"check: ok — model {_count(findings['parameters'])} parameters ({_count(findings['trainable'])} "
-            f"trainable), {findings['first_batch']}, {flops_text}; per process ({findings['strategy']}, {world} process{'es' if world > 1 else ''}"
-            f", {findings['precision']}): weights {_size(findings['weights_bytes'])}, gradients "
+            f"trainable), {findings['first_batch']}, {flops_text}; per process ({findings['strategy']}, {processes}, "
+            f"{findings['precision']}): weights {_size(findings['weights_bytes'])}, gradients "
             f"{_size(findings['gradients_bytes'])}, optimizer state {state_text}")
 
 
