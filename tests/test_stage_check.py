@@ -219,3 +219,134 @@ def test_a_small_model_is_tried_on_the_cpu_without_the_meta_kernels_imports(tmp_
     batch = torch.stack([data.train_dataset[i][0] for i in range(2)]), torch.tensor([0, 1])
     module = TaskModule(runner.build.build_model(cfg), runner.build.build_task(cfg), Precision())
     assert count_flops(module, batch) == count_flops(module, batch, on_meta=False) > 0
+
+
+# -- streams, the first batch of data.batch_size, nested targets, a LightningModule's steps -------------------------
+SMALL = ("accelerator=cpu", "data.num_samples=64", "data.val_samples=32", "data.batch_size=16", "data.num_features=8",
+         "model.hidden=16", "trainer.max_steps=4")
+
+
+@pytest.fixture(scope="module")
+def map_style_flops() -> float:
+    return check_config(SMALL)["gflop_per_sample"]
+
+
+@pytest.mark.parametrize("data", ["stream_data.StreamData", "stream_data.StreamData +data.sized=true",
+                                  "stage_check_fixtures.IterableData", "stage_check_fixtures.StreamLoaderData",
+                                  "stage_check_fixtures.HFStreamData"],
+                         ids=["torch-stream", "sized-torch-stream", "plain-iterable", "train_dataloader", "hf-stream"])
+def test_a_stream_is_checked_from_its_first_samples(data: str, map_style_flops: float) -> None:
+    """The check reads a stream's first samples from its iterator, never its len() or indexing, and does with them
+    what it does with a map-style set's: the model's FLOPs over them, and a model that does not take them refused."""
+    if data.endswith("HFStreamData"):
+        pytest.importorskip("datasets")
+    target, *extra = data.split()
+    overrides = [*SMALL, f"data._target_={target}", *extra]
+    found = check_config(overrides)
+    assert found["gflop_per_sample"] == pytest.approx(map_style_flops) and "first batch (16 samples)" in found["report"]
+    with pytest.raises(ConfigError, match=r"model \(runner.models.MLP\) does not take the batches of data .*"
+                                          r"model.in_features=7"):
+        check_config([*overrides, "model.in_features=7"])
+
+
+def test_a_stream_shorter_than_a_batch_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data \(stage_check_fixtures.ShortStream\): train_dataset \(a stream\) "
+                                          r"ended after 3 samples, fewer than one batch \(data.batch_size=16\)"):
+        check_config([*SMALL, "data._target_=stage_check_fixtures.ShortStream"])
+
+
+def test_a_batch_of_data_batch_size_goes_through_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that takes 2 samples but not data.batch_size of them fails the check, as its first step would: on the
+    CPU (a small model), and on the meta device (a large one, shapes only)."""
+    overrides = [*SMALL, "model._target_=stage_check_fixtures.AtMostFour"]
+    line = r"model \(stage_check_fixtures.AtMostFour\) fails on the first batch of data.batch_size=16 samples"
+    with pytest.raises(ConfigError, match=line + r", where 2 samples pass \(forward and backward, on the CPU\): "
+                                                 r"RuntimeError: The size of tensor a \(16\) must match the size of "
+                                                 r"tensor b \(4\)"):
+        check_config(overrides)
+    assert "first batch (4 samples)" in check_config([*overrides, "data.batch_size=4"])["report"]
+    monkeypatch.setattr("runner.build.TRIAL_ON_CPU_PARAMETERS", 0)
+    with pytest.raises(ConfigError, match=line + r" \(forward and backward, on the meta device: shapes only\): "
+                                                 r"RuntimeError: .*\[4, 4\].*\[16, 4\]"):
+        check_config(overrides)
+
+
+LIT_MODEL = """_target_: lightning_template.LitTemplate
+num_classes: 4
+net:
+  _target_: lightning_template.SmallCNN
+  in_channels: 3
+  num_classes: 4
+optimizer:
+  _target_: torch.optim.Adam
+  _partial_: true
+  lr: 0.001
+  weight_decay: 0.0
+scheduler:
+  _target_: torch.optim.lr_scheduler.ReduceLROnPlateau
+  _partial_: true
+  mode: min
+  patience: 10
+"""
+LIT = ("accelerator=cpu", "model=lit", "data=images", "trainer.max_steps=4")
+
+
+@pytest.fixture
+def lit_conf(tmp_path: Path) -> Path:
+    """lightning-hydra-template's model config (a LightningModule with nested net, optimizer and scheduler), and
+    3-channel images."""
+    for group, text in (("model", LIT_MODEL), ("data", "_target_: lightning_template.ImageData\nbatch_size: 16\n")):
+        (tmp_path / "conf" / group).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / group / "lit.yaml" if group == "model" else tmp_path / "conf" / group / "images.yaml"
+         ).write_text(text)
+    (tmp_path / "conf" / "model" / "with_net.yaml").write_text(
+        "_target_: stage_check_fixtures.WithNet\nnet:\n  _target_: runner.models.MLP\n  in_features: 32\n")
+    return tmp_path / "conf"
+
+
+def test_nested_targets_are_checked_against_their_signatures(lit_conf: Path) -> None:
+    """A typo in a nested node (a `_partial_` optimizer of a LightningModule, a plain model's net) is one line naming
+    the key and the allowed ones, as for a group's own keys."""
+    from runner.checks import validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(runner.compose([*LIT, "+model.optimizer.weight_decy=0.1", "+model.net.chanels=3"],
+                                config_dir=lit_conf))
+    net, optimizer = refused.value.problems  # in the config's order
+    assert net == ("model.net.chanels is not a setting of model.net (lightning_template.SmallCNN) (did you mean "
+                   "in_channels?); allowed: in_channels, num_classes")
+    assert optimizer.startswith(
+        "model.optimizer.weight_decy is not a setting of model.optimizer (torch.optim.Adam) (did you mean "
+        "weight_decay?); allowed: amsgrad, betas,")
+    with pytest.raises(ConfigError, match=r"model.net.widht is not a setting of model.net \(runner.models.MLP\)"):
+        validate(runner.compose(["model=with_net", "+model.net.widht=3"], config_dir=lit_conf))
+
+
+def test_a_lightning_module_runs_its_steps_on_a_first_batch(lit_conf: Path) -> None:
+    """training_step and validation_step run on a batch on the CPU with the trainer view attached: a 1-channel net on
+    3-channel images is one line naming the module and both sizes, as is a validation_step that fails."""
+    found = check_config(LIT, config_dir=lit_conf)
+    assert "training_step and validation_step ran on a first batch (16 samples) on the CPU" in found["report"]
+    assert found["gflop_per_sample"] > 0 and "not estimated (its configure_optimizers() chooses" in found["report"]
+    with pytest.raises(ConfigError) as refused:
+        check_config([*LIT, "model.net.in_channels=1"], config_dir=lit_conf)
+    assert len(refused.value.problems) == 1
+    line = refused.value.problems[0]
+    assert line.startswith("model (lightning_template.LitTemplate): training_step fails on the first batch of "
+                           "data.batch_size=16 samples, in net.features.0 (Conv2d): RuntimeError:"), line
+    assert "[8, 1, 3, 3]" in line and "[16, 3, 8, 8]" in line and "\n" not in line
+    with pytest.raises(ConfigError, match=r"model \(lightning_template.ValidationBreaks\): validation_step fails on "
+                                          r"the first val_dataset batch of data.batch_size=16 samples: TypeError"):
+        check_config([*LIT, "model._target_=lightning_template.ValidationBreaks"], config_dir=lit_conf)
+
+
+def test_check_data_sets_up_a_lightning_data_module_with_the_trainer_view(tmp_path: Path) -> None:
+    """GlobalBatchData.setup() reads self.trainer.world_size, as a LightningDataModule may: stage=check_data gives it
+    the trainer view (it read None and failed), then the module's steps run on its loader's first batch."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "lit.yaml").write_text("_target_: lightning_modules.GlobalBatchData\nglobal_batch_size: 16\n"
+                                                "num_samples: 64\nval_samples: 32\nnum_features: 8\nnum_classes: 4\n")
+    overrides = ["accelerator=cpu", "data=lit", "model._target_=lightning_modules.LitClassifier",
+                 "model.in_features=8", "model.num_classes=4", "trainer.max_steps=4"]
+    found = check_config(overrides, config_dir=tmp_path, stage="check_data")
+    assert "training_step and validation_step ran on a first batch (16 samples) on the CPU" in found["report"]

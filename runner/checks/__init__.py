@@ -12,7 +12,8 @@ concern, in the order validate runs them:
   fsdp        strategy=fsdp's settings against the model
   checkpoint  trainer.ckpt_path against the config
 A new check goes in the module of its concern, and is called from validate here. The checks build trial objects
-through runner.build; runner.build never imports them.
+through runner.build; runner.build never imports them. `stage=check` (dry_run) runs validate, then passes the first
+batch of data.batch_size samples through the model or a LightningModule's steps (trial), and reports.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The check stage (`stage=check`): every check of `validate`, the model and task built on the meta device over the
-first batch's shapes, and what the run would hold per process; nothing launched, trained or written.
+"""The check stage (`stage=check`): every check of `validate`, the first batch of data.batch_size samples through the
+model and task (or a LightningModule's steps, see runner.checks.trial), and what the run would hold per process;
+nothing launched, trained or written.
 
-CLI → compose → [validate → meta build → report] and stop: what CI calls instead of a short run. The config is
+CLI → compose → [validate → first batch → report] and stop: what CI calls instead of a short run. The config is
 checked as the training run it describes (stage=fit), in this one process, whatever the number of processes or
 devices it asks for: CPU "devices" cost nothing to name, and CUDA devices this machine lacks are stood in for
 (`machine_stand_in`), the device check skipped with one line.
@@ -19,8 +20,8 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.build import (build_accelerator, build_data, build_environment, build_model, build_strategy, build_task,
-                          devices_setting, handing_over_data, python_rng_kept, trial_model)
+from runner.build import (build_accelerator, build_data, build_environment, build_model, build_strategy,
+                          devices_setting, handing_over_data, python_rng_kept)
 from runner.checks import validate
 from runner.config import ConfigError
 from runner.values import one_line
@@ -51,8 +52,8 @@ def training_config(cfg: DictConfig) -> DictConfig:
 
 def check_config(cfg: DictConfig, ckpt_path: Optional[str] = None) -> dict:
     """Raise ConfigError listing every problem of `cfg` (stage=check or check_data); else return what was learned:
-    `parameters`, `trainable`, `gflop_per_sample` (None when not counted), the per-process bytes and the report
-    line (`report`), which is also logged."""
+    `parameters`, `trainable`, `first_batch` (what ran on it), `gflop_per_sample` (None when not counted), the
+    per-process bytes and the report line (`report`), which is also logged."""
     stage = cfg.get("stage", "check")
     checked = training_config(cfg)
     with machine_stand_in(checked) as skipped, handing_over_data(lambda: True), dynamo_left_unimported():
@@ -108,8 +109,10 @@ def _seed_dynamo_disable() -> list:
 
 def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
     """The data (the checks' own build, handed over) after build_data's checks: contract, first batches, and the
-    model and task over its shapes on the meta device. None for a data module unless `with_setup`."""
+    model and task over two samples. None for a data module unless `with_setup`; its setup reads a trainer view (one
+    process, as the check runs)."""
     from runner.data import is_data_module
+    from runner.lightning import TrainerView
 
     try:
         module = is_data_module(get_method(str(cfg.data._target_)))
@@ -120,7 +123,7 @@ def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
     quiet = log.level
     log.setLevel(logging.WARNING)  # build_data's words on a build for training do not concern a check
     try:
-        return build_data(cfg)
+        return build_data(cfg, trainer=TrainerView(cfg))
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - its constructor, prepare_data or setup: one line, not a traceback
@@ -161,40 +164,24 @@ def _devices_wanted(setting: Any, present: int) -> int:
 
 
 def measure(cfg: DictConfig, data: Any) -> dict:
-    """Parameters (trainable and frozen) of the model built on the meta device, its FLOPs per sample over the first
-    batch's shapes (None without data), and the bytes per process its run would hold."""
+    """Parameters (trainable and frozen) of the model built on the meta device, the first batch's trial (what ran,
+    its FLOPs per sample; runner.checks.trial), and the bytes per process its run would hold."""
+    from runner.checks.trial import first_batch_trial
+    from runner.lightning import is_lightning_config
+
     with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
         model = build_model(cfg)
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
     total = sum(p.numel() for p in parameters)
-    flops, why_not = _gflop_per_sample(cfg, model, data)
-    findings = {"parameters": total, "trainable": trainable, "gflop_per_sample": flops, "flops_not_counted": why_not}
+    trial = first_batch_trial(cfg, data)
+    findings = {"parameters": total, "trainable": trainable, "first_batch": trial.tried,
+                "gflop_per_sample": trial.gflop_per_sample, "flops_not_counted": trial.not_counted}
     findings.update(per_process_memory(cfg, total, trainable, optimizer_state_elements(cfg, model, trainable)))
+    lightning = is_lightning_config(cfg)
+    findings["optimizer_state_unknown"] = ("its configure_optimizers() chooses the optimizer" if lightning
+                                           else "an optimizer this check does not know")
     return findings
-
-
-def _gflop_per_sample(cfg: DictConfig, model: Any, data: Any) -> tuple[Optional[float], str]:
-    """Forward and backward FLOPs of two samples of the training data, per sample (runner.flops' count), or None
-    and why they were not counted."""
-    from runner.data import collate
-    from runner.flops import count_flops
-    from runner.precision import Precision
-    from runner.tasks import TaskModule
-
-    dataset = getattr(data, "train_dataset", None)
-    if dataset is None or not hasattr(dataset, "__getitem__"):
-        return None, ("no first batch: the data module is not set up (stage=check_data sets it up)" if data is None
-                      else "no first batch: the training data is a stream")
-    samples = [dataset[i] for i in range(min(2, len(dataset)))]
-    try:
-        batch = (getattr(data, "collate_fn", None) or collate)(samples)
-        with torch.random.fork_rng(devices=[]), python_rng_kept():
-            model, device = trial_model(cfg)  # a small model on the CPU: no meta kernels to import
-            flops = count_flops(TaskModule(model, build_task(cfg), Precision()), batch, on_meta=device == "meta")
-    except Exception as error:  # noqa: BLE001 - e.g. a model calling .item(), which the meta device cannot run
-        return None, f"the model does not run on the meta device ({one_line(error)[:120]})"
-    return (flops / len(samples) / 1e9, "") if samples and flops else (None, "no matrix products counted")
 
 
 def per_process_memory(cfg: DictConfig, total: int, trainable: int, state_elements: Optional[int]) -> dict:
@@ -253,17 +240,19 @@ def _optimizer_states(node: Any) -> Optional[int]:
 
 
 def report_line(findings: dict) -> str:
-    """`check: ok — model 0.53M parameters (0.53M trainable), 2.4e-06 GFLOP per sample; per process (ddp, 8
-    processes, 32-true): weights 2.0 MiB, gradients 2.0 MiB, optimizer state 4.1 MiB`."""
-    flops = findings["gflop_per_sample"]
+    """`check: ok — model 0.53M parameters (0.53M trainable), a first batch (64 samples) ran forward and backward on
+    the CPU, 2.4e-06 GFLOP per sample; per process (ddp, 8 processes, 32-true): weights 2.0 MiB, gradients 2.0 MiB,
+    optimizer state 4.1 MiB`."""
+    flops, why_not = findings["gflop_per_sample"], findings["flops_not_counted"]
     flops_text = (f"{flops:.2g} GFLOP per sample" if flops is not None
-                  else f"FLOPs not counted ({findings['flops_not_counted']})")
+                  else f"FLOPs not counted{f' ({why_not})' if why_not else ''}")
     state = findings["optimizer_state_bytes"]
-    state_text = _size(state) if state is not None else "not estimated (an optimizer this check does not know)"
+    state_text = _size(state) if state is not None else f"not estimated ({findings['optimizer_state_unknown']})"
     world = findings["world_size"]
+    processes = f"{world} process{'es' if world > 1 else ''}"
     return (f"check: ok — model {_count(findings['parameters'])} parameters ({_count(findings['trainable'])} "
-            f"trainable), {flops_text}; per process ({findings['strategy']}, {world} process{'es' if world > 1 else ''}"
-            f", {findings['precision']}): weights {_size(findings['weights_bytes'])}, gradients "
+            f"trainable), {findings['first_batch']}, {flops_text}; per process ({findings['strategy']}, {processes}, "
+            f"{findings['precision']}): weights {_size(findings['weights_bytes'])}, gradients "
             f"{_size(findings['gradients_bytes'])}, optimizer state {state_text}")
 
 

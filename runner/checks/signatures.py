@@ -196,11 +196,41 @@ def check_signatures(cfg: DictConfig) -> Iterator[str]:
     yield from _ddp_settings_under_fsdp(cfg)
     for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
         yield from check_settings(group, cfg[group])
+        yield from check_nested(group, cfg[group])
     for key, node in optimizer_nodes(cfg.optimizer).items():  # one, or several named (optimizer.<name>)
         yield from check_settings(key, node, leading=1)  # called with the model's parameters
+        yield from check_nested(key, node)
     yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
+    yield from check_nested("scheduler", cfg.scheduler)
     for name, spec in logger_specs(cfg).items():
         yield from check_settings(f"logger.{name}", spec)
+
+
+def check_nested(key: str, node: Any) -> Iterator[str]:
+    """The settings of every `_target_` node inside `node` (`model.net`, `model.optimizer` with `_partial_: true`,
+    a list of transforms), each against its own target's signature. Hydra builds them only with the model, and a
+    `_partial_` one only where the user's code calls it (configure_optimizers): a typo would fail there, in every
+    worker, or, caught by a broad `except`, not at all."""
+    for inner_key, inner in _nested_targets(key, node):
+        yield from check_settings(inner_key, inner)
+
+
+def _nested_targets(key: str, node: Any) -> Iterator[tuple[str, DictConfig]]:
+    """(key, node) of each node with a `_target_` below `node`, depth first; interpolations are left to the node
+    they point to."""
+    if OmegaConf.is_dict(node):
+        children = [(str(k), node._get_node(k)) for k in node if not str(k).startswith("_") or k == "_args_"]
+    elif OmegaConf.is_list(node):
+        children = [(f"[{i}]", node._get_node(i)) for i in range(len(node))]
+    else:
+        return
+    for name, child in children:
+        if child is None or child._is_interpolation() or child._is_missing():
+            continue
+        inner_key = f"{key}{name}" if name.startswith("[") else f"{key}.{name}"
+        if OmegaConf.is_dict(child) and "_target_" in child:
+            yield inner_key, child
+        yield from _nested_targets(inner_key, child)
 
 
 def is_fsdp(cfg: DictConfig) -> bool:
