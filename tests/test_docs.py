@@ -66,9 +66,21 @@ NOT_RUN = {
 }
 BENCHMARK = "a benchmark: timings belong in benchmarks/, run by hand, never in tests"
 
+
+def not_run_reason(words: list[str]) -> Optional[str]:
+    """Why a command is not run, or None for one the test runs (or knows no rule for)."""
+    if words[0] in ("python", "python3") and words[1:2] and words[1].startswith("benchmarks/"):
+        return BENCHMARK
+    return NOT_RUN.get(words[0])
+
+
 FENCE = re.compile(r"^(```+)\s*(\S*)\s*(.*)$")
 TITLE = re.compile(r'^title="([^"]+)"$')
 MARKER = re.compile(r"^<!-- check: (.*) -->$")
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else page.name
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,11 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(REPO)}:{self.line}"
+        return f"{_name(self.page)}:{self.line}"
+
+    @property
+    def skipped(self) -> bool:
+        return (self.marker or "").startswith("skip")
 
 
 def blocks_of(page: Path) -> list[Block]:
@@ -93,7 +109,9 @@ def blocks_of(page: Path) -> list[Block]:
         if not opening:
             at += 1
             continue
-        end = next(i for i in range(at + 1, len(lines)) if lines[i].startswith(opening.group(1)))
+        end = next((i for i in range(at + 1, len(lines)) if lines[i].startswith(opening.group(1))), None)
+        if end is None:
+            raise ValueError(f"{_name(page)}:{at + 1}: a code block that never closes")
         title = TITLE.match(opening.group(3))
         before = MARKER.match(lines[at - 1]) if at else None
         blocks.append(Block(page, at + 1, opening.group(2), title.group(1) if title else None,
@@ -175,7 +193,7 @@ def page_folders(tmp_path_factory: pytest.TempPathFactory, trained_run: Path) ->
         folder = root / str(page.relative_to(REPO)).replace("/", "-")
         shutil.copytree(trained_run, folder)
         for block in blocks_of(page):
-            if block.title and block.marker is None:
+            if block.title and not block.skipped:
                 path = folder / block.title
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(block.text + "\n")
@@ -209,32 +227,39 @@ def _forget_modules_under(root: Path) -> None:
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_block(block: Block, in_page_folder: Path, monkeypatch: pytest.MonkeyPatch,
                capsys: pytest.CaptureFixture) -> None:
+    problems = problems_of(block, in_page_folder, monkeypatch, capsys)
+    assert not problems, "\n\n".join(problems)
+
+
+def problems_of(block: Block, folder: Path, monkeypatch: pytest.MonkeyPatch,
+                capsys: pytest.CaptureFixture) -> list[str]:
+    """What is wrong with a block, run in its page's `folder` as its language says; a skipped block skips the test."""
     if block.marker not in (None, "gpu", "fails"):
         skipped = re.fullmatch(r"skip \((.+)\)", block.marker)
-        assert skipped, f"{block.where}: marker `{block.marker}`: use `skip (why)`, `gpu` or `fails`"
+        if not skipped:
+            return [f"{block.where}: marker `{block.marker}`: use `skip (why)`, `gpu` or `fails`"]
         pytest.skip(f"{block.where}: {skipped.group(1)}")
-    assert block.language in LANGUAGES, (
-        f"{block.where}: a block in `{block.language or 'no language'}`: give it one of {', '.join(LANGUAGES)}")
-    assert block.title is None or block.language in ("yaml", "python"), (
-        f"{block.where}: a title names a file of yaml or python, not of {block.language}")
+    if block.language not in LANGUAGES:
+        return [f"{block.where}: a block in `{block.language or 'no language'}`: give it one of {', '.join(LANGUAGES)}"]
+    if block.title is not None and block.language not in ("yaml", "python"):
+        return [f"{block.where}: a title names a file of yaml or python, not of {block.language}"]
     if block.language == "bash":
-        failures = [f for c in commands_of(block) if (f := _run_command(block, c, in_page_folder, monkeypatch, capsys))]
-        assert not failures, "\n\n".join(failures)
-    elif block.language == "yaml":
-        _check_yaml(block)
-    elif block.language == "python":
+        return [p for c in commands_of(block) if (p := _run_command(block, c, folder, monkeypatch, capsys))]
+    if block.language == "yaml":
+        return _check_yaml(block)
+    if block.language == "python":
         _run_python(block, capsys)
-    else:
-        shown = [line for line in block.text.splitlines() if line.startswith(("python -m runner", "runner "))]
-        assert not shown, f"{block.where}: runner commands in a text block, never run: make it bash: {shown}"
+        return []
+    shown = [line for line in block.text.splitlines() if line.startswith(("python -m runner", "runner "))]
+    return [f"{block.where}: runner commands in a text block, never run: make it bash: {shown}"] if shown else []
 
 
 def _run_command(block: Block, command: Command, folder: Path, monkeypatch: pytest.MonkeyPatch,
                  capsys: pytest.CaptureFixture) -> Optional[str]:
     """None when the command passes its check (or a NOT_RUN rule names it), else what it printed."""
-    words, where = command.words, f"{block.page.relative_to(REPO)}:{command.line}: {command.text}"
-    if words[0] in NOT_RUN or (words[0] in ("python", "python3") and words[1:2] and words[1].startswith("benchmarks/")):
-        return None  # NOT_RUN says why; a benchmark: BENCHMARK
+    words, where = command.words, f"{_name(block.page)}:{command.line}: {command.text}"
+    if not_run_reason(words):
+        return None
     if words[0] in ("python", "python3") and words[1:3] == ["-m", "runner.export"]:
         return _run_export(words[3:], where, capsys)
     launched = _runner_command(words)
@@ -251,17 +276,18 @@ def _run_command(block: Block, command: Command, folder: Path, monkeypatch: pyte
     if key not in _CHECKED:  # the same command on a page with the same files is checked once
         _CHECKED[key] = _check(args, env, monkeypatch, capsys)
     code, out = _CHECKED[key]
+    ran = f"{where}\n  `{shlex.join(args)}` exited {code}"
     if block.marker == "fails":
         refused = code == 1 and "error:" in out and "Traceback" not in out
-        return None if refused else f"{where}\n  `{shlex.join(args)}` exited {code}, not refused in one line:\n{_indented(out)}"
-    return f"{where}\n  `{shlex.join(args)}` exited {code}:\n{_indented(out)}" if code else None
+        return None if refused else f"{ran}, not refused in one line:\n{_indented(out)}"
+    return f"{ran}:\n{_indented(out)}" if code else None
 
 
 _CHECKED: dict[tuple, tuple[int, str]] = {}
 
 
 def _files_of(page: Path) -> tuple:
-    return tuple((b.title, b.text) for b in blocks_of(page) if b.title and b.marker is None)
+    return tuple((b.title, b.text) for b in blocks_of(page) if b.title and not b.skipped)
 
 
 def _check(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
@@ -341,21 +367,22 @@ def _run_export(args: list[str], where: str, capsys: pytest.CaptureFixture) -> O
     return f"{where}\n  exited {code}:\n{_indented(captured.out + captured.err)}" if code else None
 
 
-def _check_yaml(block: Block) -> None:
+def _check_yaml(block: Block) -> list[str]:
     try:
         yaml.safe_load(block.text)
     except yaml.YAMLError as error:
-        pytest.fail(f"{block.where}: not valid YAML: {error}")
+        return [f"{block.where}: not valid YAML: {error}"]
     if block.title is None:
-        return
+        return []
     parts = Path(block.title).parts
-    assert len(parts) >= 3 and block.title.endswith(".yaml"), (
-        f"{block.where}: title {block.title}: an option file is <config dir>/<group>/<option>.yaml")
+    if len(parts) < 3 or not block.title.endswith(".yaml"):
+        return [f"{block.where}: title {block.title}: an option file is <config dir>/<group>/<option>.yaml"]
     folder, group, option = parts[0], "/".join(parts[1:-1]), Path(parts[-1]).stem
-    composing = [b for b in blocks_of(block.page) if b.language == "bash" and b.marker in (None, "gpu", "fails")]
-    assert any((folder, group, option) in set(option_files(b)) for b in composing), (
-        f"{block.where}: no command on this page composes {block.title}: add one "
-        f"(python -m runner --config-dir {folder} {group}={option})")
+    composing = [b for b in blocks_of(block.page) if b.language == "bash" and not b.skipped]
+    if any((folder, group, option) in set(option_files(b)) for b in composing):
+        return []
+    return [f"{block.where}: no command on this page composes {block.title}: add one "
+            f"(python -m runner --config-dir {folder} {group}={option})"]
 
 
 def _run_python(block: Block, capsys: pytest.CaptureFixture) -> None:
@@ -370,6 +397,49 @@ def _run_python(block: Block, capsys: pytest.CaptureFixture) -> None:
 def _indented(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return "\n".join(f"    {line}" for line in lines[-15:])
+
+
+DRIFTED = """
+```bash
+python -m runner trainer.max_stepz=3
+foo --bar
+srun python -m runner strategy=ddp
+```
+
+<!-- check: fails -->
+```bash
+python -m runner --cfg job
+```
+
+```yaml title="my_conf/model/unused.yaml"
+_target_: torch.nn.Identity
+```
+
+```text
+python -m runner experiment=shapes
+```
+
+```
+pip install runner
+```
+"""
+
+
+def test_the_checker_finds_what_drifted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    """A misspelt key, a command no rule knows, a launcher without its sizes, a refusal that passes, an option file
+    nothing composes, a command shown but never run and a block of no language: each is a problem, named."""
+    page = tmp_path / "drifted.md"
+    page.write_text(DRIFTED)
+    monkeypatch.chdir(tmp_path)
+    problems = [problems_of(block, tmp_path, monkeypatch, capsys) for block in blocks_of(page)]
+    assert [len(found) for found in problems] == [3, 1, 1, 1, 1]
+    (key, rule, srun), (passed,), (unused,), (shown,), (language,) = problems
+    assert "drifted.md:3: python -m runner trainer.max_stepz=3" in key and "did you mean trainer.max_steps?" in key
+    assert "no rule for this command" in rule and "srun needs --nodes=<number>" in srun
+    assert "exited 0, not refused in one line" in passed
+    assert "no command on this page composes my_conf/model/unused.yaml" in unused
+    assert "never run: make it bash" in shown and "no language" in language
 
 
 def test_the_readme_is_a_front_door() -> None:
