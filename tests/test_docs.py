@@ -17,8 +17,9 @@ reports it skipped, with why); `<!-- check: gpu -->` checks its runner commands 
 `<!-- check: fails -->` expects each runner command to be refused: exit 1 with an `error:` line, no traceback.
 
 Each page runs in a folder of its own (its titled files, and a copy of one trained run), from which its commands
-import the page's code as a user's shell would. A failing command fails with the page, the line, the command and
-what it printed. The site itself is built with `mkdocs build --strict`: a broken link or anchor fails it.
+import the page's code as a user's shell would; a command that appears again on a page with the same files is
+checked once. A failing command fails with the page, the line, the command and what it printed. The site itself is
+built with `mkdocs build --strict`: a broken link or anchor fails it.
 """
 
 from __future__ import annotations
