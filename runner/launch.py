@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -156,13 +157,20 @@ class ElasticLauncher:
         except ChildFailedError as err:
             rank = _first_cause(err.failures)
             cause = _summary(err.failures[rank])
-            # An error every rank met at once (a NaN loss reduced over them) is said once.
-            summaries = {other: _summary(failure) for other, failure in err.failures.items() if other != rank}
-            others = "".join(f"\nthen rank {other}: {'the same' if summary == cause else summary}"
+            # An error every rank met at once (a NaN loss reduced over them) is said once; a rank that only saw
+            # another go away (or that the agent stopped after it) says nothing its log does not.
+            summaries = {other: _summary(failure) for other, failure in err.failures.items()
+                         if other != rank and not _consequence(failure)}
+            others = "".join(f"\nthen rank {other}: {'the same' if _same(summary, cause) else summary}"
                              for other, summary in sorted(summaries.items()))
             raise _AgentFailed(WorkerFailed(rank, _describe(rank, err.failures[rank]) + others)) from None
         except SignalException as err:  # the agent passed the signal on and waited for the workers
             raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
+
+
+def _same(summary: str, cause: str) -> bool:
+    """Two ranks' errors that differ in their numbers alone (a loader worker's pid) say the same."""
+    return re.sub(r"\d+", "#", summary) == re.sub(r"\d+", "#", cause)
 
 
 class _AgentFailed(Exception):
@@ -278,13 +286,16 @@ def _first_cause(failures: dict[int, object]) -> int:
     sent them, often looks as early.
     """
     def key(rank: int) -> tuple[bool, int, int]:
-        trace = _trace(failures[rank])
-        if trace is None:  # on the first failure the agent SIGTERMs the others, and lists them as failed too
-            consequence = getattr(failures[rank], "exitcode", None) == -signal.SIGTERM
-        else:
-            consequence = any(pattern in trace.lower() for pattern in PEER_GONE)
-        return consequence, getattr(failures[rank], "timestamp", 0), rank
+        return _consequence(failures[rank]), getattr(failures[rank], "timestamp", 0), rank
     return min(failures, key=key)
+
+
+def _consequence(failure: object) -> bool:
+    """Whether a rank failed only because another did: it lost its peer, or the agent stopped it after a failure."""
+    trace = _trace(failure)
+    if trace is None:  # on the first failure the agent SIGTERMs the others, and lists them as failed too
+        return getattr(failure, "exitcode", None) == -signal.SIGTERM
+    return any(pattern in trace.lower() for pattern in PEER_GONE)
 
 
 def _trace(failure: object) -> str | None:

@@ -30,6 +30,7 @@ from runner import build
 from runner import stages
 from runner.checkpoint_io.model_record import record_model
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
+from runner.data.loaders import worker_died
 from runner.environments import SLURMEnvironment
 from runner.lightning import TrainerView, is_lightning_config
 from runner.lightning.attach import attach as attach_lightning, setup_module
@@ -175,8 +176,8 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         slurm = SLURMEnvironment.detect()
         # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
         with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
-            result = _lost_peer_in_one_line(lambda: _train(cfg, strategy, run_dir, ckpt_path, stop), strategy,
-                                            run_dir)
+            result = _in_one_line(lambda: _train(cfg, strategy, run_dir, ckpt_path, stop), strategy, run_dir,
+                                  cfg.data.get("num_workers", "the loaders' own"))
             if result.get("stop_signal") == signal.SIGUSR1 and strategy.is_global_zero:
                 _requeue_slurm_job()
             return result
@@ -187,9 +188,10 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         strategy.teardown()
 
 
-def _lost_peer_in_one_line(train: Any, strategy: Any, run_dir: Path) -> dict:
+def _in_one_line(train: Any, strategy: Any, run_dir: Path, workers: Any) -> dict:
     """`train()`, where a peer lost under torchrun or srun (a node gone) is a PeerLost for this rank: one line, not
-    Hydra's report of the transport's traceback. The runner's own launcher tells a consequence from a cause itself."""
+    Hydra's report of the transport's traceback (the runner's own launcher tells a consequence from a cause itself);
+    and a loader worker's death, which torch raises wherever the process is, is one line naming it."""
     from runner.errors import PeerLost
 
     try:
@@ -198,6 +200,12 @@ def _lost_peer_in_one_line(train: Any, strategy: Any, run_dir: Path) -> dict:
         environment = getattr(strategy, "cluster_environment", None)
         if peer_gone(error) and getattr(environment, "creates_processes_externally", False):
             raise PeerLost(strategy.global_rank, error, run_dir) from error
+        from runner.errors import is_user_error
+
+        # One torch raised from its SIGCHLD handler, wherever the process was (a program's own handler can chain it).
+        died = None if is_user_error(error) else worker_died("a loader worker of the data", workers, error)
+        if died is not None:
+            raise died from error
         raise
 
 

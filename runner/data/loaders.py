@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import re
+import signal
+import threading
+import time
 from typing import Any, Iterator, Optional
 
 import torch
@@ -68,6 +71,8 @@ class Loader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         reading = _Reading(super().__iter__(), self.split, self.num_workers)
+        if self.num_workers:
+            _deaths_found_when_read()
         return _Numbered(reading, self.share) if self.share is not None and self.share.numbered else reading
 
 
@@ -89,7 +94,55 @@ class _Reading:
         except StopIteration:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a batch's reading raises is the data's code's
-            raise read_failed(self._split, self._workers, error) from error
+            died = _dead_worker(self._iterator, error)  # a worker's death may first show as its broken pipe
+            _stop_workers(self._iterator)
+            cause = died.with_traceback(error.__traceback__) if died is not None else error  # the log's traceback
+            raise read_failed(self._split, self._workers, cause) from error
+
+
+def _dead_worker(iterator: Any, error: Exception) -> Optional[Exception]:
+    """A loader worker of `iterator` that died, in torch's words, or None. A broken connection to a worker (the
+    batch it was handing over) waits a moment for the worker's end to show."""
+    workers = list(getattr(iterator, "_workers", ()))
+    deadline = time.monotonic() + (1.0 if isinstance(error, (ConnectionError, EOFError)) and workers else 0.0)
+    while True:
+        for worker in workers:
+            code = worker.exitcode
+            if code:
+                how = f"is killed by signal: {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                return RuntimeError(f"DataLoader worker (pid {worker.pid}) {how}")
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _deaths_found_when_read() -> None:
+    """torch's SIGCHLD handler, set with a loader's first workers, raises a dead worker's error wherever the main
+    thread is: in a backward pass, or inside code that catches what it raises (a FLOP count, a log record). Without
+    it a dead worker is found where the batches are read (the loader checks its workers while it waits), and said in
+    one line there."""
+    handler = signal.getsignal(signal.SIGCHLD)
+    if (getattr(handler, "__module__", "") == "torch.utils.data._utils.signal_handling"
+            and threading.current_thread() is threading.main_thread()):
+        # The handler it replaced (a program's own), which it called after its check, is put back.
+        cells = dict(zip(handler.__code__.co_freevars, (c.cell_contents for c in handler.__closure__ or ())))
+        previous = cells.get("previous_handler")
+        signal.signal(signal.SIGCHLD, previous if callable(previous) else signal.SIG_DFL)
+
+
+def _stop_workers(iterator: Any) -> None:
+    """End the loader's workers now, SIGCHLD held meanwhile: torch's handler for it raises a dead worker's error
+    wherever the process is (in the middle of saying what failed), until the workers are shut down."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if not callable(shutdown):
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - already failing: the first error is the one to say
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class _Numbered:
@@ -133,7 +186,7 @@ class _Numbered:
                             "worker must read the whole stream: set data.num_workers=0")
 
 
-_WORKER_DIED = re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal)")
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid.*(exited unexpectedly|is killed by signal|exited with code)")
 
 
 def read_failed(split: str, workers: int, error: Exception) -> Exception:
@@ -146,19 +199,23 @@ def read_failed(split: str, workers: int, error: Exception) -> Exception:
     if is_user_error(error):
         return error
     source = f"data.{split}_dataset"
-    died = worker_death(error)
-    if died:
-        return HookFailed(f"a loader worker of {source}", error, what=(
-            f"died: {died} (data.num_workers={workers}; a worker killed by SIGKILL is most often the out-of-memory "
-            "killer: fewer workers or smaller samples)"))
-    return HookFailed(f"reading a batch of {source}", error)
+    return worker_died(f"a loader worker of {source}", workers, error) or HookFailed(f"reading a batch of {source}",
+                                                                                     error)
 
 
-def worker_death(error: BaseException) -> Optional[str]:
-    """torch's words for a loader worker that died (its "exited unexpectedly" carries the signal in its cause), or
-    None when `error` is not that."""
+def worker_died(what: str, workers: Any, error: BaseException) -> Optional[Exception]:
+    """A loader worker's death in one line (torch's "exited unexpectedly" carries the signal in its cause), or None
+    when `error` is not that. torch may raise it from its SIGCHLD handler wherever the process is (a backward
+    pass): the worker catches it there too (runner.worker)."""
+    from runner.errors import HookFailed
+
     died = [e for e in (error.__cause__, error) if e is not None and _WORKER_DIED.search(str(e))]
-    return str(died[0]).strip().rstrip(".") if died else None
+    if not died:
+        return None
+    said = str(died[0]).strip().rstrip(".")
+    return HookFailed(what, error, what=(
+        f"died: {said} (data.num_workers={workers}; a worker killed by SIGKILL is most often the out-of-memory "
+        "killer: fewer workers or smaller samples)"))
 
 
 def _loader(data: Any, split: str, sampler: Sampler, drop_last: bool, seed: int) -> DataLoader:
