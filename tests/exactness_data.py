@@ -81,9 +81,11 @@ class Stream(IterableDataset):
 
 
 class ObjectStateStream(Stream):
-    """A stream whose state_dict() returns something no checkpoint can hold."""
+    """A stream whose state_dict() returns something no checkpoint can hold (or, `fault` raising_state, raises)."""
 
     def state_dict(self) -> dict:
+        if self.fault == "raising_state":
+            raise ValueError("no position yet")
         return {"pos": object()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -152,7 +154,8 @@ LOADER_KINDS = ("sampler", "stream_loader", "short_sampler", "endless_sampler")
 
 class OracleData:
     """The oracle's data as `kind` reads it (see KINDS; the kinds given as loaders are OracleLoaders'), and the
-    faulty kinds: one_pass, lying_len, long_stream, rank_short, worker_split, blocks, object_state, endless_val."""
+    faulty kinds: one_pass, lying_len, long_stream, rank_short, worker_split, blocks, object_state, raising_state,
+    endless_val."""
 
     def __init__(self, kind: str = "map", batch_size: int = 12, num_workers: int = 0, num_samples: int = 96,
                  val_samples: int = 13, seed: int = 0) -> None:
@@ -165,8 +168,8 @@ class OracleData:
             sized = kind == "stream_len"
             self.train_dataset = Stream(*train, sized=sized, fault="" if kind in ("stream", "stream_len") else kind)
             self.val_dataset = Stream(*val, sized=sized)
-        elif kind == "object_state":
-            self.train_dataset = ObjectStateStream(*train, sized=False)
+        elif kind in ("object_state", "raising_state"):
+            self.train_dataset = ObjectStateStream(*train, sized=False, fault=kind)
         elif kind in ("lying_len", "long_stream"):  # says 1000 and yields 96; says 50 and yields 96
             self.train_dataset = Stream(*train, sized=True, claimed=1000 if kind == "lying_len" else 50)
         elif kind == "stream_state":

@@ -45,6 +45,12 @@ _TIMED = ("throughput/",)
 pytestmark = pytest.mark.xdist_group("exactness")
 
 
+@pytest.fixture(autouse=True)
+def _workers_import_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.syspath_prepend(str(TESTS))
+
+
 @dataclass(frozen=True)
 class Case:
     kind: str = "map"
@@ -206,6 +212,8 @@ FAULTS = [
     (Case("long_stream"), [], r"says len\(\) = 50 samples but yielded more in epoch 0"),
     (Case("rank_short", 2), [], r"streams end at different points: in epoch 0, after 6 optimizer steps, rank\(s\) 1"),
     (Case("object_state"), [], r"ObjectStateStream\)\.state_dict\(\) holds builtins\.object \(at data_state\.stream"),
+    (Case("raising_state"), [], r"^data\.train_dataset \(ObjectStateStream\)\.state_dict\(\) raised ValueError: no "
+                                r"position yet$"),
     (Case("short_sampler"), [], r"sampler CountedSampler says len\(\) = 512 but yielded 10 indices in epoch 0"),
     (Case("endless_sampler"), [], r"sampler CountedSampler says len\(\) = 96 but yielded more indices"),
     (Case("endless_val"), ["trainer.limit_val_batches=1.0"],

@@ -231,7 +231,8 @@ def map_style_flops() -> float:
     return check_config(SMALL)["gflop_per_sample"]
 
 
-@pytest.mark.parametrize("data", ["stream_data.StreamData", "stream_data.StreamData +data.sized=true",
+@pytest.mark.parametrize("data", ["stream_data.StreamData trainer.limit_val_batches=2",
+                                  "stream_data.StreamData +data.sized=true",
                                   "stage_check_fixtures.IterableData", "stage_check_fixtures.StreamLoaderData",
                                   "stage_check_fixtures.HFStreamData"],
                          ids=["torch-stream", "sized-torch-stream", "plain-iterable", "train_dataloader", "hf-stream"])
