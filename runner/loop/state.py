@@ -282,9 +282,9 @@ def check_loadable(loop: Any, state: dict) -> None:
     owner = next((who for prefix, who in owners.items() if path.startswith(prefix)), "the checkpoint's state")
     last = loop.run_dir / "checkpoints" / "last.ckpt"
     kept = f"the last checkpoint written is {last}" if last.exists() else "no checkpoint was written yet"
-    raise CheckpointError(f"{owner} holds {kind} (at {path}), which a checkpoint cannot hold: a weights-only load reads "
-                          f"tensors, numbers, strings and lists, tuples and dicts of them; return those from it; no "
-                          f"checkpoint is written at step {loop.progress.step}, and {kept}")
+    raise CheckpointError(f"{owner} holds {kind} (at {path}), which a checkpoint cannot hold: a weights-only load "
+                          f"reads tensors, numbers, strings and lists, tuples and dicts of them; return those from it; "
+                          f"no checkpoint is written at step {loop.progress.step}, and {kept}")
 
 
 def _check_finite_weights(loop: Any) -> None:
