@@ -381,7 +381,10 @@ def build_callbacks(cfg: DictConfig) -> Any:
         if not OmegaConf.is_dict(spec) or "_target_" not in spec:
             raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
                                "group, or +callbacks.<name>._target_=<class>)"])
-        built[str(name)] = instantiate(spec, **monitor_defaults(cfg, spec))
+        defaults = monitor_defaults(cfg, spec)
+        built[str(name)] = instantiate(spec, **defaults)
+        if "monitor" in defaults:  # an unset monitor follows the objective, also where the run ranks by its own
+            built[str(name)].follows_objective = True
     problems = list(guessed_modes(cfg))
     if problems:
         raise ConfigError(problems)

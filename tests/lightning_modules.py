@@ -299,3 +299,25 @@ class RaisesOnTrainStart(LitPlain):
 
     def on_train_start(self) -> None:
         raise RuntimeError("injected failure in a module hook")
+
+
+class LitOwnNames(LitPlain):
+    """Logs its validation metrics under names of its own (val/lit_loss, val/lit_acc; no val/loss: validation_step
+    returns nothing). `plateau`: a ReduceLROnPlateau (mode max) watching val/lit_acc, the module's own monitor."""
+
+    def __init__(self, plateau: bool = False, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.plateau = plateau
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val/lit_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val/lit_acc", (logits.argmax(dim=1) == y).float().mean())
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if not self.plateau:
+            return optimizer
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/lit_acc"}}

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 import runner
 
-from conftest import REPO, TINY, load_checkpoint
+from conftest import REPO, TINY, load_checkpoint, read_events
 
 TESTS = Path(__file__).resolve().parent
 DDP2 = ("strategy=ddp", "trainer.devices=2")
@@ -332,3 +332,24 @@ def test_a_lightning_hook_that_raises_is_one_line_naming_it(tmp_path: Path, over
     with pytest.raises(HookFailed) as failed:
         runner.fit(_cfg(tmp_path, *overrides), run_dir=tmp_path / "run")
     assert str(failed.value) == line
+
+
+# -- 4. settings the user did not choose ---------------------------------------------------------------------------
+OWN = ("model._target_=lightning_modules.LitOwnNames", "trainer.max_steps=4", "trainer.val_check_interval=2")
+
+
+def test_the_default_objective_never_fails_a_module_that_logs_other_names(tmp_path: Path) -> None:
+    """val/lit_loss, not val/loss: the run trains to its end and keeps its checkpoints, without an objective (one
+    line says so); with a ReduceLROnPlateau watching val/lit_acc, that monitor (mode max) is the objective."""
+    plain = runner.fit(_cfg(tmp_path, *OWN), run_dir=tmp_path / "plain")
+    assert plain["step"] == 4 and "best" not in plain
+    assert (tmp_path / "plain" / "checkpoints" / "last.ckpt").exists()
+    assert ("objective=val/loss (the default, not set) is not logged at validation: this run has no objective"
+            in (tmp_path / "plain" / "runner.log").read_text())
+    watched = runner.fit(_cfg(tmp_path, *OWN, "+model.plateau=true"), run_dir=tmp_path / "watched")
+    accuracies = [event.value for event in read_events(tmp_path / "watched").Scalars("val/lit_acc")]
+    assert len(accuracies) == 2
+    assert watched["best"]["metric"] == "val/lit_acc" and watched["best"]["value"] == pytest.approx(max(accuracies))
+    assert "this run's objective is val/lit_acc (maximize), its lr_scheduler monitor (ReduceLROnPlateau" in (
+        tmp_path / "watched" / "runner.log").read_text()
+

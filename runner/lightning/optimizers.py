@@ -138,19 +138,29 @@ class LightningSchedules:
         self.module: Any = None  # a module with lr_scheduler_step of its own steps the schedulers itself
         self.manual = False  # manual optimization: the module's training_step steps its schedulers (as in Lightning)
 
+    @property
+    def monitors(self) -> list[tuple[str, str, str]]:
+        """(metric, direction, whose) of each scheduler that watches a metric: the run's own monitors, which the
+        objective follows when the user sets none (runner.callbacks.ObjectiveCheck)."""
+        return [(config.monitor, "maximize" if getattr(config.scheduler, "mode", "min") == "max" else "minimize",
+                 f"lr_scheduler monitor ({type(config.scheduler).__name__} from configure_optimizers())")
+                for config in self.configs if config.monitor]
+
     def step(self) -> None:
+        self._step("step", self.steps + 1)
         self.steps += 1
-        self._step("step", self.steps)
 
     def epoch_end(self) -> None:
+        self._step("epoch", self.epochs + 1)
         self.epochs += 1
-        self._step("epoch", self.epochs)
 
     def _step(self, interval: str, count: int) -> None:
-        for config in () if self.manual else self.configs:
-            if config.interval != interval or count % config.frequency:
-                continue
-            metric = self._monitored(config) if config.reduce_on_plateau else None
+        """Step the schedulers due at `count`; a monitor that is not logged is refused before any of them steps,
+        so that the state a refusal saves is whole."""
+        due = [config for config in (() if self.manual else self.configs)
+               if config.interval == interval and not count % config.frequency]
+        metrics = [self._monitored(config) if config.reduce_on_plateau else None for config in due]
+        for config, metric in zip(due, metrics):
             if config.reduce_on_plateau and metric is None:
                 continue
             if self.module is not None and overrides(self.module, "lr_scheduler_step"):

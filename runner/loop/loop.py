@@ -18,6 +18,7 @@ import torch
 
 from runner.callbacks import Callbacks
 from runner.config import ConfigError
+from runner.errors import CallbackError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
@@ -151,7 +152,10 @@ class Loop:
         signalled = metrics.pop("stop_signal", 0)  # stopped partway: nothing for callbacks to rank or stop on
         self._signalled = self._signalled or signalled
         if metrics and not signalled:
-            self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+            try:
+                self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+            except (CallbackError, ConfigError) as refused:  # a setting only a validation can check: keep what trained
+                raise state.saved_before(self, refused) from None
         self.train_log.tick += time.perf_counter() - start  # validation time is not training throughput
 
     def evaluate(self, prefix: str, loader: Any, limit: float = math.inf) -> dict:

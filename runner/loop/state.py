@@ -265,6 +265,22 @@ def save(loop: Any, periodic: bool) -> None:
     loop.train_log.tick += time.perf_counter() - start  # the log window goes on: a save's time is not training
 
 
+def saved_before(loop: Any, refused: Exception) -> Exception:
+    """A setting refused at a validation (a metric a setting names is not logged): the step before it is whole, so
+    last.ckpt is saved first, and the refusal says where (every process refuses alike: the metrics are reduced)."""
+    last = loop.run_dir / "checkpoints" / "last.ckpt"
+    if loop.schedule.save:
+        save(loop, periodic=False)
+        loop.strategy.checkpoint_io.wait()  # on disk before the job ends
+        where = (f"the training until step {loop.progress.step} is saved in {last}: fix the setting, then resume "
+                 f"with trainer.ckpt_path={last}")
+    else:
+        where = "nothing is saved (trainer.fast_dev_run saves no checkpoints)"
+    if isinstance(refused, ConfigError):
+        return ConfigError([*refused.problems[:-1], f"{refused.problems[-1]}; {where}"])
+    return type(refused)(f"{refused}; {where}")
+
+
 def _check_finite_weights(loop: Any) -> None:
     """No checkpoint holds a NaN or inf weight: a non-finite gradient (or clipping value) can leave the loss
     finite for a step, and a stop signal saves before the next log step checks it."""
