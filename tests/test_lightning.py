@@ -353,3 +353,14 @@ def test_the_default_objective_never_fails_a_module_that_logs_other_names(tmp_pa
     assert "this run's objective is val/lit_acc (maximize), its lr_scheduler monitor (ReduceLROnPlateau" in (
         tmp_path / "watched" / "runner.log").read_text()
 
+
+
+def test_a_run_whose_every_batch_is_skipped_ends_in_one_line(tmp_path: Path) -> None:
+    """training_step returns None on every batch: the 5 steps count as Lightning's global_step counts them, but the
+    result says no optimizer step was taken, and the run ends in one line saying it trained nothing (not `done`)."""
+    cfg = _cfg(tmp_path, "model._target_=lightning_modules.LitPlain", "+model.skip_every=1", "trainer.max_steps=5")
+    result = runner.fit(cfg, run_dir=tmp_path / "run")
+    assert (result["step"], result["skipped_steps"], result["trained"]) == (5, 5, False)
+    assert "train/loss" not in result
+    ends = [line for line in _lines(tmp_path / "run" / "runner.log") if " - done" in line]
+    assert len(ends) == 1 and "done, and nothing trained: every batch of this run's 5 steps was skipped" in ends[0]
