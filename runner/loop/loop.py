@@ -89,10 +89,11 @@ class Loop:
                 if len(window) < s.accumulate:  # a loader shorter than it said: the epoch is over
                     p.batch = s.batches_per_epoch
                     break
-                if self.flops.pending:  # once, on the meta device; its seconds are no step's
-                    self.train_log.tick += self.flops.count(window)
                 p.batch += s.accumulate
-                self.train_step(window, self)  # the loop: its callbacks get on_before_optimizer_step
+                if self.flops.pending:  # the first step, its FLOPs counted: on the meta device, else on the step
+                    self.train_log.tick += self.flops.count(window, lambda: self.train_step(window, self))
+                else:
+                    self.train_step(window, self)  # the loop: its callbacks get on_before_optimizer_step
                 p.step += 1
                 self.callbacks.call("on_train_batch_end", self, self.train_step.outputs, p.step)
                 stopped = self._after_step()
