@@ -49,6 +49,19 @@ def run_line(info: dict) -> str:
             f"{info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
 
 
+def record_dir(stage: str, run_dir: Path) -> Path:
+    """Where a stage writes its record: its run folder; a stage other than fit run in a fit's folder (one that holds
+    checkpoints/, e.g. `stage=test trainer.ckpt_path=best` there) writes in a folder of its own inside it, so that
+    the fit's metrics.json, .hydra/resolved.yaml and tensorboard/ (what `best` and `last` are found by) stay the
+    fit's."""
+    if stage in ("fit", "check", "check_data") or not (run_dir / "checkpoints").is_dir():
+        return run_dir
+    own = run_dir / stage
+    log.info("stage=%s in the folder of a fit (%s): its record (metrics.json, logs) goes to %s; the fit's stays as "
+             "it is", stage, run_dir, own)
+    return own
+
+
 def dev_run_only(callbacks: Any, batches: int, announce: bool) -> None:
     """`trainer.fast_dev_run`: as Lightning's, no checkpoint or early-stopping callbacks (and the worker builds no
     logger); each loop runs `batches` batches."""
