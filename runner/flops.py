@@ -137,6 +137,12 @@ def count_flops(task_module: nn.Module, batch: Any, on_meta: bool = True) -> int
     return counter.get_total_flops()
 
 
+def _compiled(module: nn.Module) -> bool:
+    """Whether the module, or a part of it (one a LightningModule compiles in its setup), runs compiled code."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+               for m in module.modules())
+
+
 class StepFlops:
     """`throughput/tflops_per_s` (the whole job's model FLOP rate) and, where the GPUs' peak is known,
     `throughput/mfu`, for the loop's log steps.
@@ -173,7 +179,7 @@ class StepFlops:
         return seconds
 
     def _count_on_the_step(self, step: Callable[[], None], micro_batches: int, why: str) -> None:
-        if getattr(self.task_module, "_compiled_call_impl", None) is not None:  # the counter would recompile it
+        if _compiled(self.task_module):  # the counter's module hooks would trip, or recompile, compiled code
             log.info("throughput/tflops_per_s is not logged: the model's FLOPs could not be counted on the meta "
                      "device (%s), nor on a compiled step's tensors", why)
             step()
