@@ -321,3 +321,11 @@ class LitOwnNames(LitPlain):
             return optimizer
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/lit_acc"}}
+
+
+class LitCalibrated(LitOneCycle):
+    """LitOneCycle with a buffer of its own (a fine-tuned model's calibration): a checkpoint of LitPlain lacks it."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.register_buffer("calibration", torch.ones(4))

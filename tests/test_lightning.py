@@ -5,6 +5,7 @@ before launch, one line each. Numbers are compared (1 process x 16 against 2 pro
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,31 @@ def test_a_run_whose_every_batch_is_skipped_ends_in_one_line(tmp_path: Path) -> 
     assert "train/loss" not in result
     ends = [line for line in _lines(tmp_path / "run" / "runner.log") if " - done" in line]
     assert len(ends) == 1 and "done, and nothing trained: every batch of this run's 5 steps was skipped" in ends[0]
+
+
+def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_path: Path) -> None:
+    """LitCalibrated adds a buffer to what LitPlain's checkpoint holds: trainer.resume=weights is refused before
+    launch, in one line naming the way out; with trainer.strict_loading=false (Lightning's strict=False) its weights
+    load, and one line lists the key the checkpoint lacks. The lines and the HParams name what runs: the module's
+    SGD and OneCycleLR, not the config's optimizer group and ConstantLR."""
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    from runner.config import ConfigError
+
+    runner.fit(_cfg(tmp_path, "model._target_=lightning_modules.LitPlain", "trainer.max_steps=2"),
+               run_dir=tmp_path / "plain")
+    ckpt = tmp_path / "plain" / "checkpoints" / "last.ckpt"
+    tune = ("model._target_=lightning_modules.LitCalibrated", "trainer.resume=weights", f"trainer.ckpt_path={ckpt}")
+    with pytest.raises(ConfigError, match=r"holds another model than model=lightning_modules.LitCalibrated: missing "
+                                          r"calibration \(trainer.strict_loading=false loads it without"):
+        runner.fit(_cfg(tmp_path, *tune), run_dir=tmp_path / "strict")
+    assert runner.fit(_cfg(tmp_path, *tune, "trainer.strict_loading=false"), run_dir=tmp_path / "tuned")["step"] == 3
+    log = (tmp_path / "tuned" / "runner.log").read_text()
+    assert "loaded without 1 key(s) of the model, kept as built (calibration), and 0 of the checkpoint" in log
+    assert re.search(r"a new optimizer and schedule from step 0: SGD \(lr [0-9.e-]+\), OneCycleLR \(interval step\) "
+                     r"from configure_optimizers\(\)", log)
+    content = read_events(tmp_path / "tuned").PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["configure_optimizers.optimizer"].string_value == "SGD"
+    assert hparams["configure_optimizers.scheduler"].string_value == "OneCycleLR"
+    assert not [key for key in hparams if key.split(".")[0] in ("optimizer", "scheduler", "task")]

@@ -45,7 +45,7 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
     yield from _check_model_fits(cfg, path, checkpoint["model"])
     if resume != "weights" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() chooses
         yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
-    if resume == "exact":
+    if resume == "exact" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() makes its own
         yield from _check_same_scheduler(cfg, path, checkpoint)
 
 
@@ -128,16 +128,20 @@ def _eager(name: str) -> str:
 def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            expected = {_eager(k): tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+            model = build_model(cfg)
+            expected = {_eager(k): tuple(v.shape) for k, v in model.state_dict().items()}
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
         return
     found = {_eager(k): tuple(v.shape) for k, v in saved.items()}
     differ = [f"{k} {found[k]} vs {shape}" for k, shape in expected.items() if k in found and found[k] != shape]
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if not cfg.trainer.get("strict_loading", True) or getattr(model, "strict_loading", True) is False:
+        missing, extra = [], []  # loaded without them, listed when the worker loads it
     if differ or missing or extra:
         details = "; ".join(filter(None, [
             differ and "shapes (checkpoint vs model) " + ", ".join(differ[:3]),
             missing and "missing " + ", ".join(missing[:3]),
             extra and "unexpected " + ", ".join(extra[:3]),
         ]))
-        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}"
+        loose = "" if differ else " (trainer.strict_loading=false loads it without the keys either side lacks)"
+        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}{loose}"

@@ -10,7 +10,7 @@ from runner.config import ConfigError
 from runner.lightning.checks import module_problems
 from runner.lightning.detect import is_lightning_callback, is_lightning_module, overrides
 from runner.lightning.manual import install as install_manual, is_manual, manual_problems
-from runner.lightning.optimizers import LightningSchedules, configured_by
+from runner.lightning.optimizers import LightningSchedules, configured_by, hyperparameters
 from runner.lightning.trainer_view import TrainerView
 
 log = logging.getLogger("runner")
@@ -33,6 +33,18 @@ def setup_module(model: Any, view: TrainerView) -> None:
     for hook, args in (("setup", (view._stage,)), ("configure_model", ())):
         if overrides(model, hook):
             getattr(model, hook)(*args)
+
+
+# The config groups a LightningModule's run does not use (its steps and configure_optimizers() replace them).
+UNUSED_GROUPS = ("task", "optimizer", "scheduler")
+
+
+def _what_runs(hparams: dict, optimizer: Any, configs: list) -> None:
+    """The run's hyperparameters name what runs: the groups a LightningModule does not use go, and what its
+    configure_optimizers() gave comes in their place."""
+    for key in [key for key in hparams if key.split(".")[0] in UNUSED_GROUPS]:
+        del hparams[key]
+    hparams.update(hyperparameters(optimizer, configs))
 
 
 def attach(loop: Any, view: TrainerView) -> None:
@@ -64,6 +76,7 @@ def attach(loop: Any, view: TrainerView) -> None:
         model.optimizers = lambda use_pl_optimizer=True: loop.optimizer
         configs = loop.scheduler.configs if isinstance(loop.scheduler, LightningSchedules) else []
         view.attach_optimizer(loop.optimizer, configs)
+        _what_runs(loop.hparams, loop.optimizer, configs)
         if is_manual(model):
             install_manual(loop, view, model)
     hooks.setup_callbacks(view._stage)

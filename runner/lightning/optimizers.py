@@ -139,6 +139,13 @@ class LightningSchedules:
         self.manual = False  # manual optimization: the module's training_step steps its schedulers (as in Lightning)
 
     @property
+    def description(self) -> str:
+        """What the lines about the schedule name: the module's own schedulers, or none."""
+        parts = [f"{type(c.scheduler).__name__} (interval {c.interval}"
+                 + (f", monitor {c.monitor})" if c.monitor else ")") for c in self.configs]
+        return f"{', '.join(parts)} from configure_optimizers()" if parts else "no scheduler (configure_optimizers())"
+
+    @property
     def monitors(self) -> list[tuple[str, str, str]]:
         """(metric, direction, whose) of each scheduler that watches a metric: the run's own monitors, which the
         objective follows when the user sets none (runner.callbacks.ObjectiveCheck)."""
@@ -195,6 +202,26 @@ class LightningSchedules:
             config.scheduler.load_state_dict(scheduler_state)
         self.base_lrs = list(state.get("base_lrs", self.base_lrs))
         self.steps, self.epochs = int(state.get("steps", 0)), int(state.get("epochs", 0))
+
+
+def hyperparameters(optimizer: Any, configs: list[SchedulerConfig]) -> dict[str, Any]:
+    """What configure_optimizers() gave, as hyperparameters (`configure_optimizers.*`): each optimizer's class and
+    constructor settings, each scheduler's class, interval and monitor."""
+    from runner.loop.optimizers import optimizers_of
+
+    found: dict[str, Any] = {}
+    optimizers = optimizers_of(optimizer)
+    for index, one in enumerate(optimizers):
+        prefix = "configure_optimizers" + (f".{index}" if len(optimizers) > 1 else "")
+        found[f"{prefix}.optimizer"] = type(one).__name__
+        found.update({f"{prefix}.{key}": value if isinstance(value, (bool, int, float, str)) else str(value)
+                      for key, value in one.defaults.items() if value is not None})
+    for index, config in enumerate(configs):
+        prefix = "configure_optimizers.scheduler" + (f".{index}" if len(configs) > 1 else "")
+        found.update({prefix: type(config.scheduler).__name__, f"{prefix}.interval": config.interval,
+                      f"{prefix}.frequency": config.frequency, **({f"{prefix}.monitor": config.monitor}
+                                                               if config.monitor else {})})
+    return found
 
 
 def configured_by(module: Any) -> str:
