@@ -393,3 +393,29 @@ def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_pat
     assert hparams["configure_optimizers.optimizer"].string_value == "SGD"
     assert hparams["configure_optimizers.scheduler"].string_value == "OneCycleLR"
     assert not [key for key in hparams if key.split(".")[0] in ("optimizer", "scheduler", "task")]
+
+
+def test_a_resume_past_the_end_of_its_one_cycle_is_refused_before_launch(tmp_path: Path) -> None:
+    """OneCycleLR over estimated_stepping_batches (4): resumed to step 6, it crashed at step 5 after everything had
+    loaded. It is refused before launch in one line naming trainer.resume=new_schedule, which makes the module's
+    schedule afresh (configure_optimizers() with the 2 steps left) for the run's own optimizer."""
+    from runner.config import ConfigError
+
+    cycle = ("model._target_=lightning_modules.LitOneCycle", "trainer.max_steps=4")
+    runner.fit(_cfg(tmp_path, *cycle), run_dir=tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    more = (*cycle, "trainer.max_steps=6", f"trainer.ckpt_path={last}")
+    with pytest.raises(ConfigError, match=r"its OneCycleLR was planned over 4 steps and has 0 left at step 4, but "
+                                          r"this run goes on to step 6, and it would fail at step 5; set "
+                                          r"trainer.resume=new_schedule to make the schedule afresh"):
+        runner.fit(_cfg(tmp_path, *more), run_dir=tmp_path / "refused")
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    assert runner.fit(_cfg(tmp_path, *more, "trainer.resume=new_schedule"), run_dir=tmp_path / "more")["step"] == 6
+    saved = load_checkpoint(tmp_path / "more")
+    assert saved["scheduler"]["schedulers"][0]["total_steps"] == 2 and saved["scheduler"]["steps"] == 2
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.1, total_steps=2)
+    for _ in range(2):
+        reference.step()
+        schedule.step()
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)

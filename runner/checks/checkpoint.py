@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from runner.build import (build_accelerator, build_environment, build_model, build_task, devices_setting,
                           probe_optimizer)
 from runner.lightning import is_lightning_config
+from runner.schedulers import unreachable
 
 
 def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
@@ -47,6 +48,17 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
         yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
     if resume == "exact" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() makes its own
         yield from _check_same_scheduler(cfg, path, checkpoint)
+    if resume == "exact" and _last_step(cfg) is not None:
+        problem = unreachable(checkpoint, _last_step(cfg), path)
+        yield from [problem] if problem else []
+
+
+def _last_step(cfg: DictConfig) -> Any:
+    """The step a fit ends at, where trainer.max_steps alone decides it (else the worker, which counts the data's
+    steps, checks the schedule against it)."""
+    t = cfg.trainer
+    alone = t.max_steps != -1 and t.max_epochs in (None, -1) and not t.fast_dev_run
+    return t.max_steps if alone and cfg.get("stage", "fit") == "fit" else None
 
 
 def _check_same_scheduler(cfg: DictConfig, path: Any, checkpoint: dict) -> Iterator[str]:

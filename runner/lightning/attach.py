@@ -3,6 +3,7 @@ setup(stage) and configure_model()), then the loop's hooks for the module and th
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -47,6 +48,17 @@ def _what_runs(hparams: dict, optimizer: Any, configs: list) -> None:
     hparams.update(hyperparameters(optimizer, configs))
 
 
+def _configure_over(model: Any, view: TrainerView, steps: int) -> Any:
+    """configure_optimizers() with trainer.estimated_stepping_batches = `steps` (a schedule made afresh over the steps
+    a resumed run has left); the view says the run's own count again afterwards."""
+    total = view._total_steps
+    view.plan(steps)
+    try:
+        return model.configure_optimizers()
+    finally:
+        view._total_steps = total
+
+
 def attach(loop: Any, view: TrainerView) -> None:
     """The view follows the loop; a LightningModule and the Lightning callbacks get their hooks (one runner callback
     that calls them), the module's self.log, and the optimizer and schedulers its configure_optimizers() gave."""
@@ -77,6 +89,8 @@ def attach(loop: Any, view: TrainerView) -> None:
         configs = loop.scheduler.configs if isinstance(loop.scheduler, LightningSchedules) else []
         view.attach_optimizer(loop.optimizer, configs)
         _what_runs(loop.hparams, loop.optimizer, configs)
+        if isinstance(loop.scheduler, LightningSchedules):
+            loop.scheduler.configure = functools.partial(_configure_over, model, view)
         if is_manual(model):
             install_manual(loop, view, model)
     hooks.setup_callbacks(view._stage)

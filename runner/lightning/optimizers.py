@@ -115,6 +115,16 @@ def _config(item: Any, monitor: Optional[str], what: str) -> SchedulerConfig:
     return config
 
 
+def _rebind(scheduler: Any, owners: dict) -> None:
+    """A scheduler made for a new optimizer steps the run's own instead (a SequentialLR's or ChainedScheduler's parts
+    too)."""
+    own = owners.get(id(getattr(scheduler, "optimizer", None)))
+    if own is not None:
+        scheduler.optimizer = own
+    for part in getattr(scheduler, "_schedulers", ()):
+        _rebind(part, owners)
+
+
 def schedules_for(optimizer: Any) -> Optional["LightningSchedules"]:
     """The loop's scheduler for an optimizer a LightningModule configured; None for any other optimizer."""
     try:
@@ -137,6 +147,7 @@ class LightningSchedules:
         self.metrics: Callable[[], dict] = dict  # the run's reduced metrics (set when training starts)
         self.module: Any = None  # a module with lr_scheduler_step of its own steps the schedulers itself
         self.manual = False  # manual optimization: the module's training_step steps its schedulers (as in Lightning)
+        self.configure: Callable[[int], Any] = lambda steps: None  # configure_optimizers() over `steps` (attach sets)
 
     @property
     def description(self) -> str:
@@ -190,8 +201,33 @@ class LightningSchedules:
         return None
 
     def state_dict(self) -> dict:
+        """The schedulers' states and counters; `configs` says how each is stepped (the checks before a resume read
+        it: runner.schedulers.unreachable)."""
         return {"schedulers": [config.scheduler.state_dict() for config in self.configs],
-                "base_lrs": list(self.base_lrs), "steps": self.steps, "epochs": self.epochs}
+                "base_lrs": list(self.base_lrs), "steps": self.steps, "epochs": self.epochs,
+                "configs": [{"class": type(config.scheduler).__name__, "frequency": config.frequency,
+                             "interval": "manual" if self.manual else config.interval} for config in self.configs]}
+
+    def restart(self, steps: int) -> None:
+        """trainer.resume=new_schedule: the schedulers configure_optimizers() makes with estimated_stepping_batches
+        the `steps` left (`configure`, set where the module is attached), taken over for the run's optimizers, which
+        take the settings the new ones got (the configured ones, and what the schedulers set: initial_lr, max_lr)."""
+        from runner.loop.optimizers import optimizers_of
+
+        what = "configure_optimizers() for trainer.resume=new_schedule"
+        made, schedulers, monitor = _parse(self.configure(steps), what)
+        mine = optimizers_of(self.optimizer)
+        if [len(o.param_groups) for o in made] != [len(o.param_groups) for o in mine]:
+            raise ConfigError([f"{what} returned other optimizers or parameter groups than it did at the start"])
+        for new, own in zip(made, mine):
+            for group, settings in zip(own.param_groups, new.param_groups):
+                group.update({key: value for key, value in settings.items() if key != "params"})
+        owners = {id(new): own for new, own in zip(made, mine)}
+        self.configs[:] = [_config(item, monitor, what) for item in schedulers]  # in place: the trainer view's list
+        for config in self.configs:
+            _rebind(config.scheduler, owners)
+        self.base_lrs = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
+        self.steps = self.epochs = 0
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("schedulers", [])

@@ -61,7 +61,8 @@ class TrainerView:
     def attach_optimizer(self, optimizer: Any, scheduler_configs: list) -> None:
         from runner.loop.optimizers import optimizers_of
 
-        self._optimizers, self._scheduler_configs = optimizers_of(optimizer), list(scheduler_configs)
+        # The schedules' own list: trainer.resume=new_schedule replaces its schedulers in place.
+        self._optimizers, self._scheduler_configs = optimizers_of(optimizer), scheduler_configs
 
     def plan(self, total_steps: int) -> None:
         """The optimizer steps the run takes (estimated_stepping_batches), once the worker knows them."""

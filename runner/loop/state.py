@@ -21,7 +21,7 @@ from runner.config import ConfigError
 from runner.loop.optimizers import optimizers_of
 from runner.loop.schedule import Progress
 from runner.loop.step import NonFiniteLossError
-from runner.schedulers import configured, described, plan, schedule_change
+from runner.schedulers import configured, described, plan, schedule_change, unreachable
 
 log = logging.getLogger("runner")
 
@@ -147,6 +147,13 @@ def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs:
                            f"{total} (trainer.max_steps={loop.cfg.max_steps}): raise trainer.max_steps to train on"])
     for group, settings, base in zip(loop.optimizer.param_groups, configured_groups, base_lrs):
         group.update({key: value for key, value in settings.items() if key != "params"}, lr=base, initial_lr=base)
+    restart = getattr(loop.scheduler, "restart", None)
+    if restart is not None:  # a schedule the model makes (a LightningModule's configure_optimizers()): made again
+        restart(total - step)
+        loop.schedule_start = step
+        log.info("trainer.resume=new_schedule: a new schedule from step %d over the remaining %d steps: %s", step,
+                 total - step, loop.scheduler.description)
+        return
     _use_scheduler(loop, _built_scheduler(loop, total - step))
     loop.schedule_start = step
     record, steps = _schedule_record(loop, step), total - step
@@ -159,6 +166,9 @@ def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs:
 def _continue_schedule(loop: Any, checkpoint: dict) -> None:
     """The checkpoint's schedule where it stopped: refused for another scheduler or settings (named), re-planned
     with a line when this run ends elsewhere than the checkpoint's plan did."""
+    problem = unreachable(checkpoint, loop.schedule.total_steps, loop.cfg.get("ckpt_path"))
+    if problem:  # found before launch where trainer.max_steps alone ends the run
+        raise ConfigError([problem])
     saved, mine = checkpoint.get("schedule"), configured(loop.hparams)
     # Older checkpoints hold no record: taken at their word, as before; nor does a model's own schedule (no scheduler
     # group: a LightningModule's configure_optimizers()), whose state the scheduler's load checks.
