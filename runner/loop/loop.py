@@ -132,8 +132,7 @@ class Loop:
             self._validate()
         if self.schedule.save:
             state.save(self, periodic=False)
-        result = self._with_run_info(results.fit_result(self.progress, self._signalled, self._stop_reason,
-                                                                self.train_step))
+        result = self._with_run_info(results.fit_result(self, self._signalled, self._stop_reason))
         self.callbacks.call("on_fit_end", self, result)
         self.strategy.checkpoint_io.wait()  # metrics.json never names a step whose checkpoint is not on disk
         if self.strategy.is_global_zero:

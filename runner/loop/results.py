@@ -18,20 +18,28 @@ from runner.loop.progress import fmt
 log = logging.getLogger("runner")
 
 
-def fit_result(progress: Any, signalled: int, stop_reason: Optional[str], train_step: Any = None) -> dict:
+def fit_result(loop: Any, signalled: int, stop_reason: Optional[str]) -> dict:
     """The end of training: the last metrics, where it stopped, and what stopped it before its max_steps or
     max_epochs: `stopped_early` says whether something did, `stopped_by` what (a callback's reason, or the
-    signal), and `stop_signal` is there only when a signal did, which leaves the run to resume.
+    signal), and `stop_signal` is there only when a signal did, which leaves the run to resume. A signal that came
+    once every step was taken (at the last step, or in the final validation) stops nothing: the run is complete.
 
     `skipped_steps`: this run's steps whose every batch was skipped on every process (a LightningModule's
     training_step returned None): `step` counts them, as Lightning's global_step does, but no optimizer step was
     taken for them."""
+    progress, schedule, train_step = loop.progress, loop.schedule, loop.train_step
+    ended = progress.step >= schedule.max_steps or progress.epoch >= schedule.max_epochs or stop_reason is not None
+    if signalled and ended:
+        if loop.strategy.is_global_zero:
+            log.warning("%s came after the last step (%d): the run is complete, nothing to resume; the final "
+                        "validation %s", signal.Signals(signalled).name, progress.step,
+                        "ran before it" if loop.last_val_step == progress.step else "was skipped")
+        signalled = 0
     result = {**progress.metrics, "step": progress.step, "epoch": progress.epoch,
               "stopped_early": bool(signalled) or stop_reason is not None}
-    empty, taken = getattr(train_step, "empty_steps", 0), getattr(train_step, "taken", 0)
-    if empty:
-        result["skipped_steps"] = empty
-        result["trained"] = empty < taken
+    if train_step.empty_steps:
+        result["skipped_steps"] = train_step.empty_steps
+        result["trained"] = train_step.empty_steps < train_step.taken
     if signalled:
         result["stop_signal"] = signalled
         stop_reason = f"signal {signal.Signals(signalled).name}"
