@@ -125,6 +125,8 @@ def takes_total_steps(settings: Mapping[str, Any]) -> bool:
     """The runner passes the run's step count to this scheduler (it takes `total_steps`, its config leaves it out)."""
     from hydra.utils import get_method
 
+    if not settings.get("_target_"):  # no scheduler group (a LightningModule's configure_optimizers() schedules)
+        return False
     try:
         takes = "total_steps" in inspect.signature(get_method(str(settings.get("_target_")))).parameters
     except Exception:  # noqa: BLE001 - a target that does not import is reported by the config checks

@@ -367,7 +367,8 @@ def test_a_run_whose_every_batch_is_skipped_ends_in_one_line(tmp_path: Path) -> 
     assert len(ends) == 1 and "done, and nothing trained: every batch of this run's 5 steps was skipped" in ends[0]
 
 
-def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_path: Path) -> None:
+def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     """LitCalibrated adds a buffer to what LitPlain's checkpoint holds: trainer.resume=weights is refused before
     launch, in one line naming the way out; with trainer.strict_loading=false (Lightning's strict=False) its weights
     load, and one line lists the key the checkpoint lacks. The lines and the HParams name what runs: the module's
@@ -393,6 +394,7 @@ def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_pat
     assert hparams["configure_optimizers.optimizer"].string_value == "SGD"
     assert hparams["configure_optimizers.scheduler"].string_value == "OneCycleLR"
     assert not [key for key in hparams if key.split(".")[0] in ("optimizer", "scheduler", "task")]
+    assert not [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
 
 
 def test_a_resume_past_the_end_of_its_one_cycle_is_refused_before_launch(tmp_path: Path) -> None:
@@ -419,3 +421,31 @@ def test_a_resume_past_the_end_of_its_one_cycle_is_refused_before_launch(tmp_pat
         reference.step()
         schedule.step()
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+
+
+# -- 5. Lightning's logger surface, and media from anywhere ---------------------------------------------------------
+def test_self_logger_has_lightnings_surface_and_media_reach_every_logger(tmp_path: Path) -> None:
+    """self.logger.experiment is TensorBoard's SummaryWriter writing into the run's one event file (an image and a
+    histogram at the module's global_step); self.logger.log_metrics logs what it is given, reduced by nothing;
+    log_hyperparams adds the module's own to the HParams (and to csv's hparams.yaml); self.loggers lists both loggers
+    and log_dir is the event folder. A runner callback logs a histogram and a text through runner.loggers."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    cfg = _cfg(tmp_path, "model._target_=lightning_modules.LitMedia", "trainer.max_steps=4",
+               "trainer.val_check_interval=2", "logger=[tensorboard,csv]", "+callbacks.media._target_=hook_fixtures.Media")
+    result = runner.fit(cfg, run_dir=tmp_path / "run")
+    assert result["val/seen_loggers"] == 2
+    events = EventAccumulator(str(next((tmp_path / "run" / "tensorboard").glob("events.*"))), size_guidance={
+        "images": 0, "histograms": 0, "scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [event.step for event in events.Images("val/sample")] == [2, 4]
+    assert [event.step for event in events.Histograms("weights/first")] == [2, 4]
+    assert [(event.step, event.value) for event in events.Scalars("custom/metric")] == [(2, 3.5), (4, 5.5)]
+    assert [event.step for event in events.Histograms("callback/weights")] == [2, 4]
+    assert [event.step for event in events.Tensors("callback/note/text_summary")] == [2, 4]
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["user.depth"].number_value == 2 and hparams["user.note"].string_value == "mine"
+    assert (tmp_path / "run" / "tensorboard" / "seen-0").read_text() == "4"
+    assert "user.depth: 2" in (tmp_path / "run" / "hparams.yaml").read_text()  # self.loggers: both loggers
