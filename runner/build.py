@@ -585,13 +585,24 @@ def logger_specs(cfg: DictConfig) -> dict[str, DictConfig]:
 
 
 def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
-    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks a logger that does nothing."""
+    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks (and trainer.fast_dev_run)
+    loggers that do nothing, one standing in for each (its folders, for Lightning code that reads them)."""
     from runner.loggers import LoggerSet, NullLogger
 
-    loggers = [build_one_logger(spec, run_dir) for spec in logger_specs(cfg).values()] if enabled else []
+    specs = logger_specs(cfg).values()
+    loggers = [build_one_logger(spec, run_dir) if enabled else _stand_in(spec, run_dir) for spec in specs]
     if not loggers:
         return NullLogger()
     return loggers[0] if len(loggers) == 1 else LoggerSet(loggers)
+
+
+def _stand_in(spec: DictConfig, run_dir: Path) -> Any:
+    from runner.loggers import NullLogger
+
+    root = Path(spec.get("root_dir") or run_dir)
+    subdir = spec.get("subdir")  # a logger writing in a folder of the run's (TensorBoard's)
+    return NullLogger(save_dir=str(root), log_dir=str(root / subdir) if subdir else str(root), name=subdir,
+                      stands_in=True)
 
 
 def build_one_logger(spec: DictConfig, run_dir: Path) -> Any:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from runner.checkpoint_io import TorchCheckpointIO
 from runner.config import ConfigError
 from runner.data import close_loaders, ready, val_loader
+from runner.loggers import media
 from runner.loop.progress import loader_length
 from runner.loop.stop import BatchVote
 
@@ -189,5 +190,14 @@ def _voted(batches: Iterable[Any], vote: Any) -> Iterator[Any]:
         yield batch
 
 
+def _with_media(run: Callable[[Any, Any], dict]) -> Callable[[Any, Any], dict]:
+    """The stage, with runner.loggers.log_image (and the other media functions) logging to its loggers."""
+    def stage(loop: Any, data: Any) -> dict:
+        with media.active(loop.logger, lambda: loop.progress.step):
+            return run(loop, data)
+    return stage
+
+
 RUN: dict[str, Callable[[Any, Any], dict]] = {
-    "fit": fit, "validate": evaluate("val"), "test": evaluate("test"), "predict": predict}
+    name: _with_media(run) for name, run in (("fit", fit), ("validate", evaluate("val")), ("test", evaluate("test")),
+                                             ("predict", predict))}

@@ -176,8 +176,10 @@ def test_a_lightning_module_resumes_exactly(tmp_path: Path) -> None:
 def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Path) -> None:
     """A loss tensor, self.log of tensors and numbers (names without a prefix are the stage's), every third batch
     skipped (None): 1 process x 16 and 2 x 8 take the same SGD steps (the skipped ones change nothing, and DDP's
-    processes stay in step); the step reads self.trainer.world_size."""
-    plain = ("model._target_=lightning_modules.LitPlain", "+model.skip_every=3", "trainer.max_steps=6")
+    processes stay in step); the step reads self.trainer.world_size. The module logs an image through
+    self.logger.experiment on every process: rank 1's logger stands in for rank 0's (the same log_dir, an
+    experiment that does nothing), so the run's one event file holds rank 0's image alone."""
+    plain = ("model._target_=lightning_modules.LitMedia", "+model.skip_every=3", "trainer.max_steps=6")
     one = runner.fit(_cfg(tmp_path, *plain), run_dir=tmp_path / "one")
     two = runner.fit(_cfg(tmp_path, *plain, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two")
@@ -186,6 +188,9 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
     assert one["train/loss"] == pytest.approx(two["train/loss"], abs=1e-6)
     assert one["train/loss_seen"] == pytest.approx(two["train/loss_seen"], abs=1e-6)
     assert {"val/loss", "val/acc"} <= set(one) and "val/val/loss" not in one
+    assert [event.step for event in read_events(tmp_path / "two").Images("val/sample")] == [6]  # one event file
+    assert {path.name for path in (tmp_path / "two" / "tensorboard").glob("seen-*")} == {"seen-0", "seen-1"}
+    assert two["val/seen_loggers"] == 1.0
 
 
 @pytest.mark.parametrize(("overrides", "line"), [

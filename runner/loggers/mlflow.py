@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 from urllib.parse import urlparse
 
+from runner.loggers.base import NoExperiment, flat_params
+from runner.loggers.media import histogram, hwc_array
 from runner.loggers.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
 
 log = logging.getLogger("runner")
@@ -101,7 +103,8 @@ class MLflowLogger:
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self.log_checkpoints = log_checkpoints or None
         self.fail_on_error = fail_on_error
-        self.run_id: Optional[str] = None
+        self._run_id: Optional[str] = None
+        self._experiment_id: Optional[str] = None
         self._client: Any = None
         self._params: dict[str, str] = {}  # what the run holds already
         self._logged: set[str] = set()
@@ -141,16 +144,74 @@ class MLflowLogger:
             return [f"{where} answers HTTP {status} to MLflow's API: is it an MLflow tracking server?"]
         return []
 
+    # -- Lightning's names: the run, its client, its folders (the run starts when first asked) ---------
+    @property
+    def experiment(self) -> Any:
+        """MLflow's MlflowClient (with `run_id`: `self.logger.experiment.log_artifact(self.logger.run_id, path)`);
+        one that does nothing where MLflow failed under fail_on_error=false."""
+        self._guard(lambda: None)
+        return self._client if self._client is not None else NoExperiment()
+
+    @property
+    def run_id(self) -> Optional[str]:
+        self._guard(lambda: None)
+        return self._run_id
+
+    @property
+    def experiment_id(self) -> Optional[str]:
+        self._guard(lambda: None)
+        return self._experiment_id
+
+    @property
+    def name(self) -> Optional[str]:
+        """The experiment's id, as Lightning's MLFlowLogger names it."""
+        return self.experiment_id
+
+    @property
+    def version(self) -> Optional[str]:
+        return self.run_id
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        """The store's folder where it is one on this machine (a SQLite database's, a file store), else None."""
+        path = sqlite_path(self.tracking_uri)
+        if path is not None:
+            return str(path.parent)
+        return urlparse(self.tracking_uri).path if self.tracking_uri.startswith("file:") else None
+
+    log_dir = save_dir
+
     # -- the logger's four methods --------------------------------------------------------------------
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._guard(self._log_metrics, metrics, step)
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        self._guard(self._log_metrics, metrics, self._last_step if step is None else int(step))
 
     def resume_at(self, step: int) -> None:
         log.info("MLflow keeps every logged value: the steps from %d on are logged again, and a step's latest "
                  "value (by timestamp) is this run's", step)
 
-    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+    def log_hyperparams(self, params: Any, metrics: Optional[Mapping[str, float]] = None) -> None:
+        """At the end, the run's settings and final metrics; the user's own calls (without `metrics`) log their
+        params at once."""
+        if metrics is None:
+            self._guard(self._log_params, flat_params(params))
+            return
         self._guard(self._log_end, params, metrics)
+
+    # -- media: images as MLflow's image series, the others as artifacts under <name>/ ------------------
+    def log_image(self, name: str, image: Any, step: int, dataformats: str = "CHW") -> None:
+        self._guard(lambda: self._client.log_image(self._run_id, hwc_array(image, dataformats), key=_param_key(name),
+                                                   step=step))
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        counts, edges = histogram(values)
+        self._guard(lambda: self._client.log_dict(self._run_id, {"counts": counts, "edges": edges},
+                                                  f"{_param_key(name)}/step-{step:06d}.json"))
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self._guard(lambda: self._client.log_figure(self._run_id, figure, f"{_param_key(name)}/step-{step:06d}.png"))
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        self._guard(lambda: self._client.log_text(self._run_id, text, f"{_param_key(name)}/step-{step:06d}.txt"))
 
     def finalize(self) -> None:
         failed = sys.exc_info()[0] is not None  # called from a `finally`: an exception is on its way out
@@ -196,7 +257,7 @@ class MLflowLogger:
             save_run(self.root / RUN_RECORD, {"tracking_uri": self.tracking_uri, "experiment_id": experiment_id,
                                               "run_id": run.info.run_id})
             log.info("MLflow run %s in experiment %s at %s", run.info.run_id, self.experiment_name, self.tracking_uri)
-        self._client, self.run_id = client, run.info.run_id
+        self._client, self._run_id, self._experiment_id = client, run.info.run_id, experiment_id
         self._params = dict(run.data.params)
         self._log_params(flatten(read_settings(str(self.root))))
 
@@ -246,11 +307,11 @@ class MLflowLogger:
         values = {cut(_param_key(k), key_limit): cut(str(v), value_limit) for k, v in params.items()}
         changed = sorted(k for k, v in values.items() if k in self._params and self._params[k] != v)
         if changed:
-            log.warning("MLflow run %s keeps the params it started with; this attempt differs in %s", self.run_id,
+            log.warning("MLflow run %s keeps the params it started with; this attempt differs in %s", self._run_id,
                         ", ".join(f"{k} ({self._params[k]} -> {values[k]})" for k in changed[:5]))
         new = [Param(k, v) for k, v in values.items() if k not in self._params]
         for start in range(0, len(new), batch):
-            self._client.log_batch(self.run_id, params=new[start:start + batch])
+            self._client.log_batch(self._run_id, params=new[start:start + batch])
         self._params.update((p.key, p.value) for p in new)
 
     def _log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -259,7 +320,7 @@ class MLflowLogger:
         stamp = int(time.time() * 1000)
         batch = [Metric(name, float(value), stamp, step) for name, value in metrics.items()]
         for start in range(0, len(batch), 1000):  # MLflow's largest batch of metrics
-            self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+            self._client.log_batch(self._run_id, metrics=batch[start:start + 1000])
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 
@@ -274,12 +335,12 @@ class MLflowLogger:
         hydra = self.root / ".hydra"
         for name in _HYDRA_FILES:
             if (hydra / name).is_file():
-                self._client.log_artifact(self.run_id, str(hydra / name), ".hydra")
+                self._client.log_artifact(self._run_id, str(hydra / name), ".hydra")
         if (self.root / "metrics.json").is_file():
-            self._client.log_artifact(self.run_id, str(self.root / "metrics.json"))
+            self._client.log_artifact(self._run_id, str(self.root / "metrics.json"))
         for path in self._checkpoints():
-            self._client.log_artifact(self.run_id, str(path), "checkpoints")
-        self._client.set_terminated(self.run_id, status=status)
+            self._client.log_artifact(self._run_id, str(path), "checkpoints")
+        self._client.set_terminated(self._run_id, status=status)
 
     def _checkpoints(self) -> list[Path]:
         folder = self.root / "checkpoints"
