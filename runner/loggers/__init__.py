@@ -2,9 +2,9 @@
 
 `base` (the four methods every logger has, and Lightning's surface the built-in ones add; `NullLogger`,
 `LoggerSet`), `tensorboard` and `csv_logs` (the built-in ones), `mlflow` and `wandb` (the trackers, each importing
-its client only when chosen), `tracking` (what those read from the run folder: which job this is, its settings,
-its saved run id), and `media`: images, histograms, figures and text from anywhere in a run, to whichever loggers
-it has (`runner.loggers.log_image(...)`).
+its client only when chosen; `mlflow_store`: MLflow's tracking store), `tracking` (what those read from the run
+folder: which job this is, its settings, its saved run id), and `media`: images, histograms, figures and text from
+anywhere in a run, to whichever loggers it has (`runner.loggers.log_image(...)`).
 """
 
 from runner.loggers.base import LOGGER_METHODS, LoggerSet, NoExperiment, NullLogger
