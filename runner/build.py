@@ -597,6 +597,7 @@ def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
 
 
 def _stand_in(spec: DictConfig, run_dir: Path) -> Any:
+    """What another rank has for the logger `spec` builds on rank 0: one that does nothing, with its folders."""
     from runner.loggers import NullLogger
 
     root = Path(spec.get("root_dir") or run_dir)
