@@ -405,7 +405,10 @@ def build_callbacks(cfg: DictConfig) -> Any:
         if not OmegaConf.is_dict(spec) or "_target_" not in spec:
             raise ConfigError([f"callbacks.{name} must be a callback with a _target_ (an option of the callbacks "
                                "group, or +callbacks.<name>._target_=<class>)"])
-        built[str(name)] = instantiate(spec, **monitor_defaults(cfg, spec))
+        defaults = monitor_defaults(cfg, spec)
+        built[str(name)] = instantiate(spec, **defaults)
+        if "monitor" in defaults:  # an unset monitor follows the objective, also where the run ranks by its own
+            built[str(name)].follows_objective = True
     problems = list(guessed_modes(cfg))
     if problems:
         raise ConfigError(problems)
@@ -607,13 +610,25 @@ def logger_specs(cfg: DictConfig) -> dict[str, DictConfig]:
 
 
 def build_logger(cfg: DictConfig, run_dir: Path, enabled: bool) -> Any:
-    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks a logger that does nothing."""
+    """Rank 0 gets the configured loggers (several as one LoggerSet); the other ranks (and trainer.fast_dev_run)
+    loggers that do nothing, one standing in for each (its folders, for Lightning code that reads them)."""
     from runner.loggers import LoggerSet, NullLogger
 
-    loggers = [build_one_logger(spec, run_dir) for spec in logger_specs(cfg).values()] if enabled else []
+    specs = logger_specs(cfg).values()
+    loggers = [build_one_logger(spec, run_dir) if enabled else _stand_in(spec, run_dir) for spec in specs]
     if not loggers:
         return NullLogger()
     return loggers[0] if len(loggers) == 1 else LoggerSet(loggers)
+
+
+def _stand_in(spec: DictConfig, run_dir: Path) -> Any:
+    """What another rank has for the logger `spec` builds on rank 0: one that does nothing, with its folders."""
+    from runner.loggers import NullLogger
+
+    root = Path(spec.get("root_dir") or run_dir)
+    subdir = spec.get("subdir")  # a logger writing in a folder of the run's (TensorBoard's)
+    return NullLogger(save_dir=str(root), log_dir=str(root / subdir) if subdir else str(root), name=subdir,
+                      stands_in=True)
 
 
 def build_one_logger(spec: DictConfig, run_dir: Path) -> Any:

@@ -132,39 +132,82 @@ def _monitored(metrics: dict, monitor: str, who: str) -> float:
     return float(metrics[monitor])
 
 
+# The `objective` a run gets when none is set (schemas.RunnerConfig): required only when the user sets it.
+DEFAULT_OBJECTIVE = "val/loss"
+
+
 class ObjectiveCheck:
     """The job's `objective` (what a sweep optimises, what the summary ranks) must be a metric the run logs; its
     best over the run's validations, by `direction`, is the result's `best`: {metric, value, step}.
 
     Checked where it first could be: a `val/` objective at the first validation, any other at the first training
-    log, so a misspelt name stops the run there instead of every job of a sweep training for nothing.
+    log, so a misspelt name stops the run there instead of every job of a sweep training for nothing. The default
+    (val/loss, which the user did not choose) stops nothing: a run that does not log it ranks by a monitor of its
+    own (a callback's `monitor`, the `monitors` its scheduler watches, such as a LightningModule's lr_scheduler
+    monitor), said in one line, or has no objective.
     """
 
-    def __init__(self, objective: str, direction: Literal["minimize", "maximize"] = "minimize") -> None:
-        self.objective, self.direction = objective, direction
+    def __init__(self, objective: str, direction: Literal["minimize", "maximize"] = "minimize",
+                 chosen: Optional[bool] = None) -> None:
+        self.objective: Optional[str] = objective
+        self.direction = direction
+        self.chosen = objective != DEFAULT_OBJECTIVE if chosen is None else chosen
         self.validated = not objective.startswith("val/")  # test/ and others come at the end: not checked
         self.logged = objective.startswith(("val/", "test/"))
         self.best: Optional[list] = None  # [value, step]
+        self.own: list[tuple[str, str, str]] = []  # the run's own monitors: (metric, direction, whose)
+
+    def on_fit_start(self, loop: Any) -> None:
+        if self.chosen:
+            return
+        for name, callback in loop.callbacks.by_name.items():
+            monitor = getattr(callback, "monitor", None)
+            if isinstance(monitor, str) and monitor and not getattr(callback, "follows_objective", False):
+                mode = getattr(callback, "mode", "min")
+                self.own.append((monitor, "maximize" if mode == "max" else "minimize", f"callbacks.{name}.monitor"))
+        self.own += list(getattr(loop.scheduler, "monitors", ()))
 
     def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.validated:
             self.validated = True
-            _require_logged(metrics, "objective", self.objective, "at validation")
-        value = metrics.get(self.objective)
+            if self.chosen or self.objective in metrics:
+                _require_logged(metrics, "objective", self.objective, "at validation")
+            else:
+                self._own_objective(loop, metrics)
+        value = metrics.get(self.objective) if self.objective is not None else None
         if not isinstance(value, (int, float)) or math.isnan(value):
             return
         if self.best is None or (value < self.best[0] if self.direction == "minimize" else value > self.best[0]):
             self.best = [float(value), step]
 
+    def _own_objective(self, loop: Any, metrics: dict) -> None:
+        """The default objective is not logged: the first of the run's own monitors that is, else none."""
+        default, logged = self.objective, ", ".join(sorted(k for k in metrics if "/" in k)) or "none"
+        found = next((own for own in self.own if own[0] in metrics), None)
+        self.objective = found[0] if found else None
+        say = log.info if found else log.warning
+        if loop is None or loop.strategy.is_global_zero:
+            say("objective=%s (the default, not set) is not logged at validation: %s; set objective=<metric> to "
+                "choose (the metrics are: %s)", default,
+                f"this run's objective is {found[0]} ({found[1]}), its {found[2]}" if found
+                else "this run has no objective (metrics.json gets no best)", logged)
+        if found is None:
+            return
+        self.direction = found[1]  # type: ignore[assignment]
+        for callback in loop.callbacks.by_name.values() if loop is not None else ():
+            if getattr(callback, "follows_objective", False):  # a monitor left unset follows the objective
+                callback.monitor, callback.mode = found[0], "max" if found[1] == "maximize" else "min"
+
     def on_fit_end(self, loop: Any, result: dict) -> None:
-        if self.best is not None:
+        if self.best is not None and self.objective is not None:
             result["best"] = {"metric": self.objective, "value": self.best[0], "step": self.best[1]}
 
     def state_dict(self) -> dict:
-        return {"best": self.best}
+        return {"best": self.best, "metric": self.objective}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best = state["best"]
+        # The best of another metric (a run that ranked by its own monitor, resumed with an objective set) is none.
+        self.best = state["best"] if state.get("metric", self.objective) == self.objective else None
 
     def on_train_log(self, loop: Any, metrics: dict, step: int) -> None:
         if not self.logged:

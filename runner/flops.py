@@ -7,7 +7,7 @@ import logging
 import re
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -137,12 +137,20 @@ def count_flops(task_module: nn.Module, batch: Any, on_meta: bool = True) -> int
     return counter.get_total_flops()
 
 
+def _compiled(module: nn.Module) -> bool:
+    """Whether the module, or a part of it (one a LightningModule compiles in its setup), runs compiled code."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+               for m in module.modules())
+
+
 class StepFlops:
     """`throughput/tflops_per_s` (the whole job's model FLOP rate) and, where the GPUs' peak is known,
     `throughput/mfu`, for the loop's log steps.
 
-    The FLOPs are counted once, on the meta device, from the first micro-batch's shapes; each log step then
-    multiplies the FLOPs per sample by the samples it reduced anyway, so no step pays anything for them.
+    The FLOPs are counted once, at the first step: on the meta device from its first micro-batch's shapes, or, for a
+    model the meta device cannot run (HuggingFace's read tensors' values with .item()), on the first step's own
+    tensors while it trains (the step is the same step; it only runs under torch's FLOP counter). Each log step then
+    multiplies the FLOPs per sample by the samples it reduced anyway, so no later step pays anything for them.
     """
 
     def __init__(self, strategy: Any, task_module: nn.Module, wrapped: nn.Module, batch_size: int,
@@ -155,21 +163,40 @@ class StepFlops:
         self.per_sample: Optional[float] = None
         self.peak: Optional[float] = None  # the whole job's peak TFLOP/s
 
-    def count(self, window: list) -> float:
-        """Count on the first micro-batch of the first step; returns the seconds it took (no step's time)."""
+    def count(self, window: list, step: Callable[[], None]) -> float:
+        """Take the first `step` (which trains on `window`), counting its FLOPs; returns the seconds the count on
+        the meta device took (no step's time)."""
         start, self.pending = time.perf_counter(), False
         try:
             flops = count_flops(self.task_module, window[0])
-        except Exception as error:  # noqa: BLE001 - a model the meta device cannot run: the rate stays unlogged
-            log.info("throughput/tflops_per_s is not logged: the model's FLOPs could not be counted on the meta "
-                     "device (%s: %s)", type(error).__name__, " ".join(str(error).split())[:200])
-            return time.perf_counter() - start
-        if flops > 0:
-            self.per_sample = flops / self.batch_size
-            self.peak = self._job_peak()
-        return time.perf_counter() - start
+        except Exception as error:  # noqa: BLE001 - a model the meta device cannot run: counted on the step itself
+            seconds = time.perf_counter() - start
+            self._count_on_the_step(step, len(window), f"{type(error).__name__}: {' '.join(str(error).split())[:200]}")
+            return seconds
+        seconds = time.perf_counter() - start
+        step()
+        self._per_sample(flops, self.batch_size, "counted once")
+        return seconds
 
-    def _job_peak(self) -> Optional[float]:
+    def _count_on_the_step(self, step: Callable[[], None], micro_batches: int, why: str) -> None:
+        if _compiled(self.task_module):  # the counter's module hooks would trip, or recompile, compiled code
+            log.info("throughput/tflops_per_s is not logged: the model's FLOPs could not be counted on the meta "
+                     "device (%s), nor on a compiled step's tensors", why)
+            step()
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            step()
+        self._per_sample(counter.get_total_flops(), self.batch_size * micro_batches,
+                         f"counted on the first step's own tensors, as the meta device cannot run the model: {why}")
+
+    def _per_sample(self, flops: int, samples: int, where: str) -> None:
+        if flops > 0:
+            self.per_sample = flops / samples
+            self.peak = self._job_peak(where)
+
+    def _job_peak(self, where: str) -> Optional[float]:
         device = self.strategy.root_device
         precision = getattr(self.strategy.precision, "precision", "32-true")
         kind = precision_kind(precision, device)
@@ -177,8 +204,9 @@ class StepFlops:
         if per_device is None and device.type == "cuda" and kind is not None:
             found = peak_tflops(torch.cuda.get_device_name(device), kind)
             per_device, source = (found[1], f"{found[0]} {kind} datasheet") if found else (None, "")
-        log.info("model FLOPs: %.4g GFLOP per sample (forward and backward, counted once), matmuls in %s; %s",
-                 self.per_sample / 1e9, kind or precision, f"throughput/mfu against {per_device:g} TFLOP/s per device "
+        log.info("model FLOPs: %.4g GFLOP per sample (forward and backward, %s), matmuls in %s; %s",
+                 self.per_sample / 1e9, where, kind or precision,
+                 f"throughput/mfu against {per_device:g} TFLOP/s per device "
                  f"({source})" if per_device else "no peak known for this device and precision: "
                  "trainer.peak_tflops=<TFLOP/s> adds throughput/mfu")
         return per_device * self.devices if per_device else None

@@ -19,6 +19,7 @@ from runner.checks import validate
 from runner.config import ConfigError, drop_unselected_callbacks, make_unique_dir
 from runner.launch import launcher_for
 from runner.processes import end_with_parent
+from runner.stages import record_dir
 
 log = logging.getLogger("runner")
 
@@ -226,6 +227,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
     drop_unselected_callbacks(cfg)
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
+    run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: one of its own
     # The data the checks build is the data this process's worker trains on: built once, not twice.
     with handing_over_data(lambda: _trains_here(cfg)):
         validate(cfg, ckpt_path)

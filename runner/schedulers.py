@@ -125,6 +125,8 @@ def takes_total_steps(settings: Mapping[str, Any]) -> bool:
     """The runner passes the run's step count to this scheduler (it takes `total_steps`, its config leaves it out)."""
     from hydra.utils import get_method
 
+    if not settings.get("_target_"):  # no scheduler group (a LightningModule's configure_optimizers() schedules)
+        return False
     try:
         takes = "total_steps" in inspect.signature(get_method(str(settings.get("_target_")))).parameters
     except Exception:  # noqa: BLE001 - a target that does not import is reported by the config checks
@@ -153,3 +155,35 @@ def schedule_change(saved: Mapping[str, Any], mine: Mapping[str, Any], path: Any
     return (f"trainer.ckpt_path={path} was trained with scheduler {described(saved)}, this run configures "
             f"{described(mine)}; resume with the scheduler it was trained with, or set trainer.resume=new_schedule "
             f"to start this one at step {step} over the remaining steps")
+
+
+def unreachable(checkpoint: Mapping[str, Any], end: int, path: Any) -> Optional[str]:
+    """One line when a scheduler the checkpoint holds was planned over fewer steps than an exact resume takes it
+    from the checkpoint's step to step `end` (OneCycleLR fails at the first step past its plan), or None.
+
+    Read from the checkpoint's data alone: each scheduler state with `total_steps` and `last_epoch`, stepped at each
+    optimizer step (the scheduler group's), or every `frequency` steps (a LightningModule's with interval 'step';
+    its epoch-interval and manually stepped ones are not judged)."""
+    step, state = checkpoint.get("step"), checkpoint.get("scheduler")
+    if not isinstance(state, Mapping) or not isinstance(step, int):
+        return None
+    if isinstance(state.get("schedulers"), list):  # runner.lightning's record: the schedulers of configure_optimizers()
+        counted, kinds = int(state.get("steps", 0)), state.get("configs") or [{}] * len(state["schedulers"])
+        entries = [(saved, kind.get("class", "scheduler"), kind.get("interval", "step"), int(kind.get("frequency", 1)))
+                   for saved, kind in zip(state["schedulers"], kinds)]
+    else:
+        counted, target = step, str((checkpoint.get("schedule") or {}).get("scheduler", {}).get("_target_", ""))
+        entries = [(state, target.rpartition(".")[2] or "scheduler", "step", 1)]
+    for saved, name, interval, frequency in entries:
+        total, taken = saved.get("total_steps"), saved.get("last_epoch")
+        if interval != "step" or not (isinstance(total, int) and isinstance(taken, int)):
+            continue
+        left = total - taken
+        if (counted + end - step) // frequency - counted // frequency <= left:
+            continue
+        fails = step + (counted // frequency + left + 1) * frequency - counted  # the optimizer step of its last call
+        return (f"trainer.ckpt_path={path}: its {name} was planned over {total} steps and has {left} left at step "
+                f"{step}, but this run goes on to step {end}, and it would fail at step {fails}; set "
+                f"trainer.resume=new_schedule to make the schedule afresh at step {step} over the {end - step} steps "
+                f"left, or trainer.max_steps={fails - 1}")
+    return None

@@ -43,6 +43,8 @@ class TrainerConfig:
     data_resume: str = "exact"  # exact: continue the data where the checkpoint stopped; restart: its epoch afresh
     # From ckpt_path: exact (its schedule goes on), new_schedule (the configured one from its step), weights (alone)
     resume: str = "exact"
+    # False: a checkpoint's weights load without the keys the model or the checkpoint lacks, listed in one line
+    strict_loading: bool = True
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from runner.checkpoint_io import TorchCheckpointIO
 from runner.config import ConfigError
 from runner.data import close_loaders, ready, val_loader
+from runner.loggers import media
 from runner.loop.progress import loader_length
 from runner.loop.stop import BatchVote
 from runner.values import is_int
@@ -48,6 +49,19 @@ def run_line(info: dict) -> str:
     backend = "no process group" if info["backend"] == "none" else info["backend"]
     return (f"devices: {info['devices_per_node']} × {info['accelerator']}{name}{nodes} ({backend}), precision "
             f"{info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
+
+
+def record_dir(stage: str, run_dir: Path) -> Path:
+    """Where a stage writes its record: its run folder; a stage other than fit run in a fit's folder (one that holds
+    checkpoints/, e.g. `stage=test trainer.ckpt_path=best` there) writes in a folder of its own inside it, so that
+    the fit's metrics.json, .hydra/resolved.yaml and tensorboard/ (what `best` and `last` are found by) stay the
+    fit's."""
+    if stage in ("fit", "check", "check_data") or not (run_dir / "checkpoints").is_dir():
+        return run_dir
+    own = run_dir / stage
+    log.info("stage=%s in the folder of a fit (%s): its record (metrics.json, logs) goes to %s; the fit's stays as "
+             "it is", stage, run_dir, own)
+    return own
 
 
 def dev_run_only(callbacks: Any, batches: int, announce: bool) -> None:
@@ -179,5 +193,14 @@ def _voted(batches: Iterable[Any], vote: Any) -> Iterator[Any]:
         yield batch
 
 
+def _with_media(run: Callable[[Any, Any], dict]) -> Callable[[Any, Any], dict]:
+    """The stage, with runner.loggers.log_image (and the other media functions) logging to its loggers."""
+    def stage(loop: Any, data: Any) -> dict:
+        with media.active(loop.logger, lambda: loop.progress.step):
+            return run(loop, data)
+    return stage
+
+
 RUN: dict[str, Callable[[Any, Any], dict]] = {
-    "fit": fit, "validate": evaluate("val"), "test": evaluate("test"), "predict": predict}
+    name: _with_media(run) for name, run in (("fit", fit), ("validate", evaluate("val")), ("test", evaluate("test")),
+                                             ("predict", predict))}

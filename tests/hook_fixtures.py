@@ -55,3 +55,15 @@ def _samples(loop: Any, out: dict) -> int:
 
 def events(folder: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in (Path(folder) / f"rank_{rank}.jsonl").read_text().splitlines()]
+
+
+class Media:
+    """A runner callback that logs a histogram and a text at each validation through runner.loggers (to whichever
+    loggers the run has), as a plain module's user would."""
+
+    def on_validation_end(self, loop: Any, metrics: dict, step: int) -> None:
+        from runner import loggers
+
+        model = loop.strategy.unwrap(loop.wrapped).model
+        loggers.log_histogram("callback/weights", next(model.parameters()))
+        loggers.log_text("callback/note", f"validated at step {step}")

@@ -299,3 +299,55 @@ class RaisesOnTrainStart(LitPlain):
 
     def on_train_start(self) -> None:
         raise RuntimeError("injected failure in a module hook")
+
+
+class LitOwnNames(LitPlain):
+    """Logs its validation metrics under names of its own (val/lit_loss, val/lit_acc; no val/loss: validation_step
+    returns nothing). `plateau`: a ReduceLROnPlateau (mode max) watching val/lit_acc, the module's own monitor."""
+
+    def __init__(self, plateau: bool = False, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.plateau = plateau
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val/lit_loss", nn.functional.cross_entropy(logits, y))
+        self.log("val/lit_acc", (logits.argmax(dim=1) == y).float().mean())
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if not self.plateau:
+            return optimizer
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/lit_acc"}}
+
+
+class LitCalibrated(LitOneCycle):
+    """LitOneCycle with a buffer of its own (a fine-tuned model's calibration): a checkpoint of LitPlain lacks it."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.register_buffer("calibration", torch.ones(4))
+
+
+class LitMedia(LitPlain):
+    """Logs through Lightning's logger surface, as a Lightning project does: hyperparameters of its own at the start,
+    and at each validation's first batch an image and a histogram (self.logger.experiment: TensorBoard's
+    SummaryWriter), a scalar (self.logger.log_metrics), a file in self.logger.log_dir, and how many loggers it sees."""
+
+    def on_train_start(self) -> None:
+        for logger in self.loggers:  # as lightning-hydra-template logs its hyperparameters
+            logger.log_hyperparams({"user": {"depth": 2, "note": "mine"}})
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.log("seen_loggers", float(len(self.loggers)))
+        if batch_idx:
+            return
+        self.logger.experiment.add_image("val/sample", torch.rand(3, 8, 8), self.global_step)
+        self.logger.experiment.add_histogram("weights/first", self.net[0].weight, self.global_step)
+        self.logger.log_metrics({"custom/metric": 1.5 + self.global_step}, step=self.global_step)
+        folder = Path(self.logger.log_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"seen-{self.global_rank}").write_text(str(self.global_step))

@@ -118,11 +118,18 @@ def test_a_monitor_nobody_logs_is_refused_at_the_first_validation(make_cfg: Make
 @pytest.mark.parametrize(("objective", "when"), [("val/acc2", "at validation"), ("train/los", "while training")])
 def test_an_objective_nobody_logs_is_refused_where_it_would_first_appear(make_cfg: MakeCfg, tmp_path: Path,
                                                                          objective: str, when: str) -> None:
-    """A misspelt objective once trained the whole run (every job of a sweep) for a value the sweeper never got."""
+    """A misspelt objective once trained the whole run (every job of a sweep) for a value the sweeper never got. A
+    refusal at a validation keeps what trained: last.ckpt is saved first, and the line says where."""
     cfg = make_cfg(f"objective={objective}", "trainer.max_steps=3", "trainer.log_every_n_steps=1")
-    with pytest.raises(CallbackError, match=rf"objective={objective} is not logged {when}; the metrics are: .*train/loss"):
+    line = rf"objective={objective} is not logged {when}; the metrics are: .*train/loss"
+    with pytest.raises(CallbackError, match=line) as refused:
         runner.fit(cfg, run_dir=tmp_path)
     assert not (tmp_path / "metrics.json").exists()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    if when == "at validation":
+        assert str(refused.value).endswith(f"the training until step 3 is saved in {last}: fix the setting, then "
+                                           f"resume with trainer.ckpt_path={last}")
+        assert load_checkpoint(tmp_path)["step"] == 3
     for logged in ("val/acc", "train/acc", "lr"):
         assert runner.fit(make_cfg(f"objective={logged}", "trainer.max_steps=3"), run_dir=tmp_path / logged)["step"] == 3
 

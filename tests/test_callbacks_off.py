@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -91,8 +93,23 @@ def test_an_early_stopped_sweep_job_is_finished_not_stopped(tmp_path: Path) -> N
     assert "job 0 finished in an earlier run of this sweep: skipped" in again.stdout + again.stderr
 
 
+def _ending(progress: Progress, max_steps: int = 10) -> SimpleNamespace:
+    """What fit_result reads of a loop that took `progress`'s steps of `max_steps`."""
+    return SimpleNamespace(progress=progress, schedule=SimpleNamespace(max_steps=max_steps, max_epochs=math.inf),
+                           train_step=SimpleNamespace(empty_steps=0, taken=progress.step), last_val_step=-1,
+                           strategy=SimpleNamespace(is_global_zero=True))
+
+
 def test_a_signal_names_itself_as_what_stopped_the_run() -> None:
-    result = fit_result(Progress(step=5, epoch=1, metrics={"train/loss": 0.5}), signal.SIGTERM, None)
+    result = fit_result(_ending(Progress(step=5, epoch=1, metrics={"train/loss": 0.5})), signal.SIGTERM, None)
     assert result == {"train/loss": 0.5, "step": 5, "epoch": 1, "stopped_early": True,
                       "stop_signal": signal.SIGTERM, "stopped_by": "signal SIGTERM"}
-    assert fit_result(Progress(step=5), 0, None)["stopped_early"] is False
+    assert fit_result(_ending(Progress(step=5)), 0, None)["stopped_early"] is False
+
+
+def test_a_signal_after_the_last_step_stops_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM that came once every step was taken (at the last one, or in the final validation) made the job end
+    as stopped (exit 143, `resume with ...`) though it had finished: the run is complete, and one line says so."""
+    result = fit_result(_ending(Progress(step=10, epoch=1)), signal.SIGTERM, None)
+    assert result == {"step": 10, "epoch": 1, "stopped_early": False}
+    assert "SIGTERM came after the last step (10): the run is complete, nothing to resume" in caplog.text

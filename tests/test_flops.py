@@ -105,11 +105,28 @@ def test_a_cpu_run_logs_the_flop_rate_and_mfu_only_with_a_peak(make_cfg: MakeCfg
 def test_counting_changes_nothing_the_run_trains(make_cfg: MakeCfg, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     counted = runner.fit(make_cfg(), run_dir=tmp_path / "counted")
-    monkeypatch.setattr(StepFlops, "count", lambda self, window: 0.0)
+    monkeypatch.setattr(StepFlops, "count", lambda self, window, step: step() or 0.0)
     uncounted = runner.fit(make_cfg(), run_dir=tmp_path / "uncounted")
     assert "throughput/tflops_per_s" not in uncounted
     for key in ("train/loss", "val/loss", "val/acc"):
         assert counted[key] == uncounted[key]
+
+
+def test_a_model_the_meta_device_cannot_run_is_counted_on_its_first_step(make_cfg: MakeCfg, tmp_path: Path) -> None:
+    """A model that reads a tensor's value (.item(), as HuggingFace's GPT-2 does) fails on the meta device: its FLOPs
+    are counted on the first step's own tensors (two micro-batches), the count on real tensors gives, and the run
+    trains what a run without the count trains."""
+    overrides = ("model._target_=reliability_models.ReadsValues", "trainer.accumulate_grad_batches=2")
+    counted = runner.fit(make_cfg(*overrides), run_dir=tmp_path / "counted")
+    model = build.build_model(make_cfg(*overrides))
+    batch = (torch.zeros(16, 8), torch.zeros(16, dtype=torch.long))
+    per_sample = count_flops(TaskModule(model, build.build_task(make_cfg()), Precision()), batch, on_meta=False) / 16
+    assert counted["throughput/tflops_per_s"] == pytest.approx(per_sample * counted["throughput/samples_per_s"] / 1e12)
+    assert "counted on the first step's own tensors" in (tmp_path / "counted" / "runner.log").read_text()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepFlops, "count", lambda self, window, step: step() or 0.0)
+        uncounted = runner.fit(make_cfg(*overrides), run_dir=tmp_path / "uncounted")
+    assert counted["train/loss"] == uncounted["train/loss"] and counted["val/loss"] == uncounted["val/loss"]
 
 
 def test_fsdp_and_compiled_runs_count_what_the_plain_run_counts(make_cfg: MakeCfg, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ before launch, one line each. Numbers are compared (1 process x 16 against 2 pro
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from omegaconf import DictConfig
 
 import runner
 
-from conftest import REPO, TINY, load_checkpoint
+from conftest import REPO, TINY, load_checkpoint, read_events
 
 TESTS = Path(__file__).resolve().parent
 DDP2 = ("strategy=ddp", "trainer.devices=2")
@@ -175,8 +176,10 @@ def test_a_lightning_module_resumes_exactly(tmp_path: Path) -> None:
 def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Path) -> None:
     """A loss tensor, self.log of tensors and numbers (names without a prefix are the stage's), every third batch
     skipped (None): 1 process x 16 and 2 x 8 take the same SGD steps (the skipped ones change nothing, and DDP's
-    processes stay in step); the step reads self.trainer.world_size."""
-    plain = ("model._target_=lightning_modules.LitPlain", "+model.skip_every=3", "trainer.max_steps=6")
+    processes stay in step); the step reads self.trainer.world_size. The module logs an image through
+    self.logger.experiment on every process: rank 1's logger stands in for rank 0's (the same log_dir, an
+    experiment that does nothing), so the run's one event file holds rank 0's image alone."""
+    plain = ("model._target_=lightning_modules.LitMedia", "+model.skip_every=3", "trainer.max_steps=6")
     one = runner.fit(_cfg(tmp_path, *plain), run_dir=tmp_path / "one")
     two = runner.fit(_cfg(tmp_path, *plain, *DDP2, "data.batch_size=8"), run_dir=tmp_path / "two")
     _same_weights(tmp_path / "one", tmp_path / "two")
@@ -185,6 +188,9 @@ def test_plain_logging_and_skipped_batches_on_one_and_two_processes(tmp_path: Pa
     assert one["train/loss"] == pytest.approx(two["train/loss"], abs=1e-6)
     assert one["train/loss_seen"] == pytest.approx(two["train/loss_seen"], abs=1e-6)
     assert {"val/loss", "val/acc"} <= set(one) and "val/val/loss" not in one
+    assert [event.step for event in read_events(tmp_path / "two").Images("val/sample")] == [6]  # one event file
+    assert {path.name for path in (tmp_path / "two" / "tensorboard").glob("seen-*")} == {"seen-0", "seen-1"}
+    assert two["val/seen_loggers"] == 1.0
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
@@ -332,3 +338,119 @@ def test_a_lightning_hook_that_raises_is_one_line_naming_it(tmp_path: Path, over
     with pytest.raises(HookFailed) as failed:
         runner.fit(_cfg(tmp_path, *overrides), run_dir=tmp_path / "run")
     assert str(failed.value) == line
+
+
+# -- 4. settings the user did not choose ---------------------------------------------------------------------------
+OWN = ("model._target_=lightning_modules.LitOwnNames", "trainer.max_steps=4", "trainer.val_check_interval=2")
+
+
+def test_the_default_objective_never_fails_a_module_that_logs_other_names(tmp_path: Path) -> None:
+    """val/lit_loss, not val/loss: the run trains to its end and keeps its checkpoints, without an objective (one
+    line says so); with a ReduceLROnPlateau watching val/lit_acc, that monitor (mode max) is the objective."""
+    plain = runner.fit(_cfg(tmp_path, *OWN), run_dir=tmp_path / "plain")
+    assert plain["step"] == 4 and "best" not in plain
+    assert (tmp_path / "plain" / "checkpoints" / "last.ckpt").exists()
+    assert ("objective=val/loss (the default, not set) is not logged at validation: this run has no objective"
+            in (tmp_path / "plain" / "runner.log").read_text())
+    watched = runner.fit(_cfg(tmp_path, *OWN, "+model.plateau=true"), run_dir=tmp_path / "watched")
+    accuracies = [event.value for event in read_events(tmp_path / "watched").Scalars("val/lit_acc")]
+    assert len(accuracies) == 2
+    assert watched["best"]["metric"] == "val/lit_acc" and watched["best"]["value"] == pytest.approx(max(accuracies))
+    assert "this run's objective is val/lit_acc (maximize), its lr_scheduler monitor (ReduceLROnPlateau" in (
+        tmp_path / "watched" / "runner.log").read_text()
+
+
+
+def test_a_run_whose_every_batch_is_skipped_ends_in_one_line(tmp_path: Path) -> None:
+    """training_step returns None on every batch: the 5 steps count as Lightning's global_step counts them, but the
+    result says no optimizer step was taken, and the run ends in one line saying it trained nothing (not `done`)."""
+    cfg = _cfg(tmp_path, "model._target_=lightning_modules.LitPlain", "+model.skip_every=1", "trainer.max_steps=5")
+    result = runner.fit(cfg, run_dir=tmp_path / "run")
+    assert (result["step"], result["skipped_steps"], result["trained"]) == (5, 5, False)
+    assert "train/loss" not in result
+    ends = [line for line in _lines(tmp_path / "run" / "runner.log") if " - done" in line]
+    assert len(ends) == 1 and "done, and nothing trained: every batch of this run's 5 steps was skipped" in ends[0]
+
+
+def test_fine_tuning_from_weights_loads_non_strictly_and_names_what_runs(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """LitCalibrated adds a buffer to what LitPlain's checkpoint holds: trainer.resume=weights is refused before
+    launch, in one line naming the way out; with trainer.strict_loading=false (Lightning's strict=False) its weights
+    load, and one line lists the key the checkpoint lacks. The lines and the HParams name what runs: the module's
+    SGD and OneCycleLR, not the config's optimizer group and ConstantLR."""
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    from runner.config import ConfigError
+
+    runner.fit(_cfg(tmp_path, "model._target_=lightning_modules.LitPlain", "trainer.max_steps=2"),
+               run_dir=tmp_path / "plain")
+    ckpt = tmp_path / "plain" / "checkpoints" / "last.ckpt"
+    tune = ("model._target_=lightning_modules.LitCalibrated", "trainer.resume=weights", f"trainer.ckpt_path={ckpt}")
+    with pytest.raises(ConfigError, match=r"holds another model than model=lightning_modules.LitCalibrated: missing "
+                                          r"calibration \(trainer.strict_loading=false loads it without"):
+        runner.fit(_cfg(tmp_path, *tune), run_dir=tmp_path / "strict")
+    assert runner.fit(_cfg(tmp_path, *tune, "trainer.strict_loading=false"), run_dir=tmp_path / "tuned")["step"] == 3
+    log = (tmp_path / "tuned" / "runner.log").read_text()
+    assert "loaded without 1 key(s) of the model, kept as built (calibration), and 0 of the checkpoint" in log
+    assert re.search(r"a new optimizer and schedule from step 0: SGD \(lr [0-9.e-]+\), OneCycleLR \(interval step\) "
+                     r"from configure_optimizers\(\)", log)
+    content = read_events(tmp_path / "tuned").PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["configure_optimizers.optimizer"].string_value == "SGD"
+    assert hparams["configure_optimizers.scheduler"].string_value == "OneCycleLR"
+    assert not [key for key in hparams if key.split(".")[0] in ("optimizer", "scheduler", "task")]
+    assert not [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+
+
+def test_a_resume_past_the_end_of_its_one_cycle_is_refused_before_launch(tmp_path: Path) -> None:
+    """OneCycleLR over estimated_stepping_batches (4): resumed to step 6, it crashed at step 5 after everything had
+    loaded. It is refused before launch in one line naming trainer.resume=new_schedule, which makes the module's
+    schedule afresh (configure_optimizers() with the 2 steps left) for the run's own optimizer."""
+    from runner.config import ConfigError
+
+    cycle = ("model._target_=lightning_modules.LitOneCycle", "trainer.max_steps=4")
+    runner.fit(_cfg(tmp_path, *cycle), run_dir=tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    more = (*cycle, "trainer.max_steps=6", f"trainer.ckpt_path={last}")
+    with pytest.raises(ConfigError, match=r"its OneCycleLR was planned over 4 steps and has 0 left at step 4, but "
+                                          r"this run goes on to step 6, and it would fail at step 5; set "
+                                          r"trainer.resume=new_schedule to make the schedule afresh"):
+        runner.fit(_cfg(tmp_path, *more), run_dir=tmp_path / "refused")
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    assert runner.fit(_cfg(tmp_path, *more, "trainer.resume=new_schedule"), run_dir=tmp_path / "more")["step"] == 6
+    saved = load_checkpoint(tmp_path / "more")
+    assert saved["scheduler"]["schedulers"][0]["total_steps"] == 2 and saved["scheduler"]["steps"] == 2
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.1, total_steps=2)
+    for _ in range(2):
+        reference.step()
+        schedule.step()
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12)
+
+
+# -- 5. Lightning's logger surface, and media from anywhere ---------------------------------------------------------
+def test_self_logger_has_lightnings_surface_and_media_reach_every_logger(tmp_path: Path) -> None:
+    """self.logger.experiment is TensorBoard's SummaryWriter writing into the run's one event file (an image and a
+    histogram at the module's global_step); self.logger.log_metrics logs what it is given, reduced by nothing;
+    log_hyperparams adds the module's own to the HParams (and to csv's hparams.yaml); self.loggers lists both loggers
+    and log_dir is the event folder. A runner callback logs a histogram and a text through runner.loggers."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    cfg = _cfg(tmp_path, "model._target_=lightning_modules.LitMedia", "trainer.max_steps=4",
+               "trainer.val_check_interval=2", "logger=[tensorboard,csv]", "+callbacks.media._target_=hook_fixtures.Media")
+    result = runner.fit(cfg, run_dir=tmp_path / "run")
+    assert result["val/seen_loggers"] == 2
+    events = EventAccumulator(str(next((tmp_path / "run" / "tensorboard").glob("events.*"))), size_guidance={
+        "images": 0, "histograms": 0, "scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [event.step for event in events.Images("val/sample")] == [2, 4]
+    assert [event.step for event in events.Histograms("weights/first")] == [2, 4]
+    assert [(event.step, event.value) for event in events.Scalars("custom/metric")] == [(2, 3.5), (4, 5.5)]
+    assert [event.step for event in events.Histograms("callback/weights")] == [2, 4]
+    assert [event.step for event in events.Tensors("callback/note/text_summary")] == [2, 4]
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["user.depth"].number_value == 2 and hparams["user.note"].string_value == "mine"
+    assert (tmp_path / "run" / "tensorboard" / "seen-0").read_text() == "4"
+    assert "user.depth: 2" in (tmp_path / "run" / "hparams.yaml").read_text()  # self.loggers: both loggers

@@ -87,6 +87,23 @@ def test_ckpt_path_best_finds_the_best_of_a_run_of_the_same_config(make_cfg: Mak
                    run_dir=runs / "00-00-02")  # another model: not the same config
 
 
+def test_testing_the_best_checkpoint_in_the_fits_folder_leaves_the_fits_record(make_cfg: MakeCfg,
+                                                                             tmp_path: Path) -> None:
+    """stage=test trainer.ckpt_path=best in the fit's own folder writes its record in a folder of its own there: the
+    fit's metrics.json, resolved config and event files stay (metrics.json was replaced, and `best` from a new folder
+    was refused afterwards)."""
+    runs = tmp_path / "outputs" / "2030-01-01"
+    fit = runs / "00-00-00"
+    runner.fit(make_cfg(*TEST, "callbacks=model_checkpoint", "trainer.max_steps=4", "optimizer.lr=0.05"), run_dir=fit)
+    kept = {path: path.read_bytes() for path in (fit / "metrics.json", fit / ".hydra" / "resolved.yaml",
+                                                  *(fit / "tensorboard").iterdir())}
+    tested = runner.fit(make_cfg(*TEST, "stage=test", "trainer.ckpt_path=best"), run_dir=fit)
+    assert {path: path.read_bytes() for path in kept} == kept and set((fit / "tensorboard").iterdir()) <= set(kept)
+    assert json.loads((fit / "test" / "metrics.json").read_text())["test/loss"] == tested["test/loss"]
+    again = runner.fit(make_cfg(*TEST, "stage=test", "trainer.ckpt_path=best"), run_dir=runs / "00-00-01")
+    assert again["test/loss"] == tested["test/loss"]
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (("stage=test",), r"stage=test needs the weights to use: trainer\.ckpt_path=<file>, last or best"),
     (("stage=train",), r"stage=train is not allowed: use fit, validate, test, predict, check"),

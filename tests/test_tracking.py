@@ -417,3 +417,76 @@ def test_the_plain_file_store_is_one_line_not_a_silent_mlruns(tmp_path: Path) ->
     (line,) = [line for line in result.stderr.splitlines() if "./mlruns" in line]
     assert line.startswith("  - logger.mlflow: MLflow cannot use the store ./mlruns (from logger.mlflow.tracking_uri)")
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- Lightning's logger surface, and media, on the trackers ---------------------------------------------------------
+
+def _media(logger: Any, step: int) -> None:
+    """An image, a histogram, a figure and a text at `step`, as runner.loggers' functions hand them to a logger."""
+    import matplotlib
+    import torch
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure = plt.figure()
+    plt.plot([0, 1], [1, 0])
+    logger.log_image("val/sample", torch.rand(3, 8, 8), step)
+    logger.log_histogram("weights/first", torch.randn(100), step)
+    logger.log_figure("val/curve", figure, step)
+    logger.log_text("val/note", "seen", step)
+    plt.close(figure)
+
+
+def test_mlflow_gives_lightnings_client_and_run_id_and_takes_media(tmp_path: Path, mlflow_server: str) -> None:
+    """self.logger.experiment is MLflow's MlflowClient and run_id the run's (Lightning's MLFlowLogger surface); the
+    user's log_hyperparams logs its params at once, and the media go to the run: an image series, the others as
+    artifacts under their names."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.loggers.mlflow import MLflowLogger
+
+    logger = MLflowLogger(str(tmp_path), tracking_uri=mlflow_server, experiment_name="surface")
+    assert isinstance(logger.experiment, MlflowClient) and logger.version == logger.run_id == run_id_of(tmp_path)
+    assert logger.save_dir is None and logger.name == logger.experiment_id  # a server: no folder here
+    logger.experiment.log_text(logger.run_id, "mine", "notes/own.txt")
+    logger.log_hyperparams({"user": {"depth": 2}})
+    logger.log_metrics({"custom/metric": 1.5}, step=3)
+    _media(logger, 3)
+    logger.finalize()
+    client = MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(logger.run_id)
+    assert run.data.params["user.depth"] == "2" and run.data.metrics["custom/metric"] == 1.5
+    artifacts = {a.path for folder in ("", "notes", "weights/first", "val/curve", "val/note", "images")
+                 for a in client.list_artifacts(logger.run_id, folder or None)}
+    assert {"notes/own.txt", "weights/first/step-000003.json", "val/curve/step-000003.png",
+            "val/note/step-000003.txt"} <= artifacts
+    assert any(path.startswith("images/val") for path in artifacts)  # the image series of key val/sample
+
+
+def test_wandb_gives_lightnings_run_and_takes_media(tmp_path: Path, listener: tuple[str, socket.socket],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """self.logger.experiment is the W&B run (offline, in the run folder); the media are its history's images,
+    histogram and html at the step; the user's log_hyperparams joins its config."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_BASE_URL", listener[0])
+    from runner.loggers.wandb import WandbLogger
+
+    logger = WandbLogger(str(tmp_path))
+    assert logger.experiment.id == logger.version and logger.save_dir == str(tmp_path)
+    logger.log_hyperparams({"user": {"depth": 2}})
+    logger.log_metrics({"custom/metric": 1.5}, step=3)
+    _media(logger, 3)
+    logger.finalize()
+    logger._wandb.teardown()  # W&B's service ends here (its writer finishes after finish()), not at the exit
+    deadline = time.monotonic() + 30
+    while not (runs := wandb_records(tmp_path)) or runs[0]["exit"] is None:
+        assert time.monotonic() < deadline, "the offline run's file was not complete within 30 s"
+        time.sleep(0.2)
+    (run,) = runs
+    assert run["config"]["user.depth"] == 2
+    row = {k: v for history in run["history"] for k, v in history.items() if history.get("_step") == 3}
+    assert row["custom/metric"] == 1.5
+    assert [row[f"{name}/_type"] for name in ("val/sample", "weights/first", "val/curve", "val/note")] == [
+        "image-file", "histogram", "image-file", "html-file"]
+    assert _connections(listener[1]) == 0

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from runner.build import (build_accelerator, build_environment, build_model, build_task, devices_setting,
                           probe_optimizer)
 from runner.lightning import is_lightning_config
+from runner.schedulers import unreachable
 
 
 def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
@@ -45,8 +46,19 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
     yield from _check_model_fits(cfg, path, checkpoint["model"])
     if resume != "weights" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() chooses
         yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
-    if resume == "exact":
+    if resume == "exact" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() makes its own
         yield from _check_same_scheduler(cfg, path, checkpoint)
+    if resume == "exact" and _last_step(cfg) is not None:
+        problem = unreachable(checkpoint, _last_step(cfg), path)
+        yield from [problem] if problem else []
+
+
+def _last_step(cfg: DictConfig) -> Any:
+    """The step a fit ends at, where trainer.max_steps alone decides it (else the worker, which counts the data's
+    steps, checks the schedule against it)."""
+    t = cfg.trainer
+    alone = t.max_steps != -1 and t.max_epochs in (None, -1) and not t.fast_dev_run
+    return t.max_steps if alone and cfg.get("stage", "fit") == "fit" else None
 
 
 def _check_same_scheduler(cfg: DictConfig, path: Any, checkpoint: dict) -> Iterator[str]:
@@ -128,16 +140,20 @@ def _eager(name: str) -> str:
 def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            expected = {_eager(k): tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+            model = build_model(cfg)
+            expected = {_eager(k): tuple(v.shape) for k, v in model.state_dict().items()}
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
         return
     found = {_eager(k): tuple(v.shape) for k, v in saved.items()}
     differ = [f"{k} {found[k]} vs {shape}" for k, shape in expected.items() if k in found and found[k] != shape]
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if not cfg.trainer.get("strict_loading", True) or getattr(model, "strict_loading", True) is False:
+        missing, extra = [], []  # loaded without them, listed when the worker loads it
     if differ or missing or extra:
         details = "; ".join(filter(None, [
             differ and "shapes (checkpoint vs model) " + ", ".join(differ[:3]),
             missing and "missing " + ", ".join(missing[:3]),
             extra and "unexpected " + ", ".join(extra[:3]),
         ]))
-        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}"
+        loose = "" if differ else " (trainer.strict_loading=false loads it without the keys either side lacks)"
+        yield f"trainer.ckpt_path={path} holds another model than model={cfg.model.get('_target_')}: {details}{loose}"

@@ -3,6 +3,7 @@ setup(stage) and configure_model()), then the loop's hooks for the module and th
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ from runner.config import ConfigError
 from runner.lightning.checks import module_problems
 from runner.lightning.detect import is_lightning_callback, is_lightning_module, overrides
 from runner.lightning.manual import install as install_manual, is_manual, manual_problems
-from runner.lightning.optimizers import LightningSchedules, configured_by
+from runner.lightning.optimizers import LightningSchedules, configured_by, hyperparameters
 from runner.lightning.trainer_view import TrainerView
 
 log = logging.getLogger("runner")
@@ -33,6 +34,29 @@ def setup_module(model: Any, view: TrainerView) -> None:
     for hook, args in (("setup", (view._stage,)), ("configure_model", ())):
         if overrides(model, hook):
             getattr(model, hook)(*args)
+
+
+# The config groups a LightningModule's run does not use (its steps and configure_optimizers() replace them).
+UNUSED_GROUPS = ("task", "optimizer", "scheduler")
+
+
+def _what_runs(hparams: dict, optimizer: Any, configs: list) -> None:
+    """The run's hyperparameters name what runs: the groups a LightningModule does not use go, and what its
+    configure_optimizers() gave comes in their place."""
+    for key in [key for key in hparams if key.split(".")[0] in UNUSED_GROUPS]:
+        del hparams[key]
+    hparams.update(hyperparameters(optimizer, configs))
+
+
+def _configure_over(model: Any, view: TrainerView, steps: int) -> Any:
+    """configure_optimizers() with trainer.estimated_stepping_batches = `steps` (a schedule made afresh over the steps
+    a resumed run has left); the view says the run's own count again afterwards."""
+    total = view._total_steps
+    view.plan(steps)
+    try:
+        return model.configure_optimizers()
+    finally:
+        view._total_steps = total
 
 
 def attach(loop: Any, view: TrainerView) -> None:
@@ -64,6 +88,9 @@ def attach(loop: Any, view: TrainerView) -> None:
         model.optimizers = lambda use_pl_optimizer=True: loop.optimizer
         configs = loop.scheduler.configs if isinstance(loop.scheduler, LightningSchedules) else []
         view.attach_optimizer(loop.optimizer, configs)
+        _what_runs(loop.hparams, loop.optimizer, configs)
+        if isinstance(loop.scheduler, LightningSchedules):
+            loop.scheduler.configure = functools.partial(_configure_over, model, view)
         if is_manual(model):
             install_manual(loop, view, model)
     hooks.setup_callbacks(view._stage)

@@ -115,6 +115,16 @@ def _config(item: Any, monitor: Optional[str], what: str) -> SchedulerConfig:
     return config
 
 
+def _rebind(scheduler: Any, owners: dict) -> None:
+    """A scheduler made for a new optimizer steps the run's own instead (a SequentialLR's or ChainedScheduler's parts
+    too)."""
+    own = owners.get(id(getattr(scheduler, "optimizer", None)))
+    if own is not None:
+        scheduler.optimizer = own
+    for part in getattr(scheduler, "_schedulers", ()):
+        _rebind(part, owners)
+
+
 def schedules_for(optimizer: Any) -> Optional["LightningSchedules"]:
     """The loop's scheduler for an optimizer a LightningModule configured; None for any other optimizer."""
     try:
@@ -137,20 +147,38 @@ class LightningSchedules:
         self.metrics: Callable[[], dict] = dict  # the run's reduced metrics (set when training starts)
         self.module: Any = None  # a module with lr_scheduler_step of its own steps the schedulers itself
         self.manual = False  # manual optimization: the module's training_step steps its schedulers (as in Lightning)
+        self.configure: Callable[[int], Any] = lambda steps: None  # configure_optimizers() over `steps` (attach sets)
+
+    @property
+    def description(self) -> str:
+        """What the lines about the schedule name: the module's own schedulers, or none."""
+        parts = [f"{type(c.scheduler).__name__} (interval {c.interval}"
+                 + (f", monitor {c.monitor})" if c.monitor else ")") for c in self.configs]
+        return f"{', '.join(parts)} from configure_optimizers()" if parts else "no scheduler (configure_optimizers())"
+
+    @property
+    def monitors(self) -> list[tuple[str, str, str]]:
+        """(metric, direction, whose) of each scheduler that watches a metric: the run's own monitors, which the
+        objective follows when the user sets none (runner.callbacks.ObjectiveCheck)."""
+        return [(config.monitor, "maximize" if getattr(config.scheduler, "mode", "min") == "max" else "minimize",
+                 f"lr_scheduler monitor ({type(config.scheduler).__name__} from configure_optimizers())")
+                for config in self.configs if config.monitor]
 
     def step(self) -> None:
+        self._step("step", self.steps + 1)
         self.steps += 1
-        self._step("step", self.steps)
 
     def epoch_end(self) -> None:
+        self._step("epoch", self.epochs + 1)
         self.epochs += 1
-        self._step("epoch", self.epochs)
 
     def _step(self, interval: str, count: int) -> None:
-        for config in () if self.manual else self.configs:
-            if config.interval != interval or count % config.frequency:
-                continue
-            metric = self._monitored(config) if config.reduce_on_plateau else None
+        """Step the schedulers due at `count`; a monitor that is not logged is refused before any of them steps,
+        so that the state a refusal saves is whole."""
+        due = [config for config in (() if self.manual else self.configs)
+               if config.interval == interval and not count % config.frequency]
+        metrics = [self._monitored(config) if config.reduce_on_plateau else None for config in due]
+        for config, metric in zip(due, metrics):
             if config.reduce_on_plateau and metric is None:
                 continue
             if self.module is not None and overrides(self.module, "lr_scheduler_step"):
@@ -173,8 +201,33 @@ class LightningSchedules:
         return None
 
     def state_dict(self) -> dict:
+        """The schedulers' states and counters; `configs` says how each is stepped (the checks before a resume read
+        it: runner.schedulers.unreachable)."""
         return {"schedulers": [config.scheduler.state_dict() for config in self.configs],
-                "base_lrs": list(self.base_lrs), "steps": self.steps, "epochs": self.epochs}
+                "base_lrs": list(self.base_lrs), "steps": self.steps, "epochs": self.epochs,
+                "configs": [{"class": type(config.scheduler).__name__, "frequency": config.frequency,
+                             "interval": "manual" if self.manual else config.interval} for config in self.configs]}
+
+    def restart(self, steps: int) -> None:
+        """trainer.resume=new_schedule: the schedulers configure_optimizers() makes with estimated_stepping_batches
+        the `steps` left (`configure`, set where the module is attached), taken over for the run's optimizers, which
+        take the settings the new ones got (the configured ones, and what the schedulers set: initial_lr, max_lr)."""
+        from runner.loop.optimizers import optimizers_of
+
+        what = "configure_optimizers() for trainer.resume=new_schedule"
+        made, schedulers, monitor = _parse(self.configure(steps), what)
+        mine = optimizers_of(self.optimizer)
+        if [len(o.param_groups) for o in made] != [len(o.param_groups) for o in mine]:
+            raise ConfigError([f"{what} returned other optimizers or parameter groups than it did at the start"])
+        for new, own in zip(made, mine):
+            for group, settings in zip(own.param_groups, new.param_groups):
+                group.update({key: value for key, value in settings.items() if key != "params"})
+        owners = {id(new): own for new, own in zip(made, mine)}
+        self.configs[:] = [_config(item, monitor, what) for item in schedulers]  # in place: the trainer view's list
+        for config in self.configs:
+            _rebind(config.scheduler, owners)
+        self.base_lrs = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
+        self.steps = self.epochs = 0
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("schedulers", [])
@@ -185,6 +238,26 @@ class LightningSchedules:
             config.scheduler.load_state_dict(scheduler_state)
         self.base_lrs = list(state.get("base_lrs", self.base_lrs))
         self.steps, self.epochs = int(state.get("steps", 0)), int(state.get("epochs", 0))
+
+
+def hyperparameters(optimizer: Any, configs: list[SchedulerConfig]) -> dict[str, Any]:
+    """What configure_optimizers() gave, as hyperparameters (`configure_optimizers.*`): each optimizer's class and
+    constructor settings, each scheduler's class, interval and monitor."""
+    from runner.loop.optimizers import optimizers_of
+
+    found: dict[str, Any] = {}
+    optimizers = optimizers_of(optimizer)
+    for index, one in enumerate(optimizers):
+        prefix = "configure_optimizers" + (f".{index}" if len(optimizers) > 1 else "")
+        found[f"{prefix}.optimizer"] = type(one).__name__
+        found.update({f"{prefix}.{key}": value if isinstance(value, (bool, int, float, str)) else str(value)
+                      for key, value in one.defaults.items() if value is not None})
+    for index, config in enumerate(configs):
+        prefix = "configure_optimizers.scheduler" + (f".{index}" if len(configs) > 1 else "")
+        found.update({prefix: type(config.scheduler).__name__, f"{prefix}.interval": config.interval,
+                      f"{prefix}.frequency": config.frequency, **({f"{prefix}.monitor": config.monitor}
+                                                               if config.monitor else {})})
+    return found
 
 
 def configured_by(module: Any) -> str:

@@ -61,7 +61,8 @@ class TrainerView:
     def attach_optimizer(self, optimizer: Any, scheduler_configs: list) -> None:
         from runner.loop.optimizers import optimizers_of
 
-        self._optimizers, self._scheduler_configs = optimizers_of(optimizer), list(scheduler_configs)
+        # The schedules' own list: trainer.resume=new_schedule replaces its schedulers in place.
+        self._optimizers, self._scheduler_configs = optimizers_of(optimizer), scheduler_configs
 
     def plan(self, total_steps: int) -> None:
         """The optimizer steps the run takes (estimated_stepping_batches), once the worker knows them."""
@@ -216,12 +217,18 @@ class TrainerView:
 
     @property
     def logger(self) -> Any:
-        """The runner's logger (log_metrics(metrics, step), log_hyperparams(params, metrics)), not Lightning's."""
-        return self._loop.logger if self._loop is not None else None
+        """The first of `loggers` (None with logger=none), as Lightning's Trainer gives it."""
+        loggers = self.loggers
+        return loggers[0] if loggers else None
 
     @property
     def loggers(self) -> list:
-        return [self.logger] if self.logger is not None else []
+        """The run's loggers, with Lightning's surface: `experiment` (TensorBoard's SummaryWriter, MLflow's client
+        with `run_id`, the W&B run), log_metrics, log_hyperparams, save_dir, log_dir, name, version. On ranks other
+        than 0 (and under trainer.fast_dev_run) one stands in for each, whose experiment does nothing."""
+        logger = self._loop.logger if self._loop is not None else None
+        found = list(getattr(logger, "loggers", None) or ([logger] if logger is not None else []))
+        return [one for one in found if getattr(one, "stands_in", True)]  # logger=none: no logger
 
     @property
     def progress_bar_callback(self) -> None:

@@ -7,6 +7,8 @@ import io
 import os
 from typing import Any, Mapping, Optional
 
+from runner.loggers.base import flat_params
+
 
 class CSVLogger:
     """One row per log step in `<root_dir>/<filename>`: `step`, then one column per metric name.
@@ -21,6 +23,11 @@ class CSVLogger:
         if not (isinstance(filename, str) and filename and os.sep not in filename and filename not in (".", "..")):
             raise ValueError(f"filename={filename!r} must be a file name inside the run folder, e.g. metrics.csv")
         self.path = os.path.join(root_dir, filename)
+        # Lightning's names: the folder, and `experiment` (this logger: its log_metrics writes rows).
+        self.save_dir = self.log_dir = root_dir
+        self.name: Optional[str] = None
+        self.version: Optional[str] = None
+        self._params: dict[str, Any] = {}
         self._columns: list[str] = ["step"]
         self._row: Optional[dict[str, Any]] = None  # the step being logged, written when the next one starts
         self._resume_step: Optional[int] = None
@@ -29,7 +36,14 @@ class CSVLogger:
     def resume_at(self, step: int) -> None:
         self._resume_step = step
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    @property
+    def experiment(self) -> "CSVLogger":
+        return self
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """A step's values join its row (`step` None: the row being written, else the last one)."""
+        if step is None:
+            step = self._row["step"] if self._row is not None else self._last_step()
         if self._row is not None and self._row["step"] != step:
             self._write(self._row)
             self._row = None
@@ -37,8 +51,20 @@ class CSVLogger:
             self._row = {"step": step}
         self._row.update(metrics)
 
-    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """The settings are in the run folder's .hydra/; final metrics that no row holds join the last row."""
+    def log_hyperparams(self, params: Any, metrics: Optional[Mapping[str, float]] = None) -> None:
+        """The settings are in the run folder's .hydra/; final metrics that no row holds join the last row. The
+        user's own calls (without `metrics`) go to hparams.yaml beside metrics.csv, as Lightning's CSVLogger keeps
+        them."""
+        if metrics is None:
+            import yaml
+
+            self._params.update(flat_params(params))
+            target = os.path.join(self.log_dir, "hparams.yaml")
+            tmp = f"{target}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                yaml.safe_dump(self._params, f, sort_keys=True)
+            os.replace(tmp, target)
+            return
         unlogged = {k: v for k, v in metrics.items() if k not in self._columns and k not in (self._row or {})}
         if unlogged:
             self.log_metrics(unlogged, self._row["step"] if self._row else self._last_step())

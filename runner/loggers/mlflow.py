@@ -7,22 +7,22 @@ the logger once in a scratch folder, and that must not leave a run behind. The r
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 from urllib.parse import urlparse
 
+from runner.loggers import mlflow_store as store
+from runner.loggers.base import NoExperiment, flat_params
+from runner.loggers.media import histogram, hwc_array
 from runner.loggers.tracking import cut, flatten, read_job, read_saved_run, read_settings, save_run
 
 log = logging.getLogger("runner")
 RUN_RECORD = "mlflow_run.json"
-DEFAULT_SOURCE = "the default: beside the run folders"
 CHECKPOINT_CHOICES = ("best", "last", "all")
 _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml", "resolved.yaml")
 INSTALL = "logger=mlflow needs the mlflow package: pip install 'runner[mlflow]' (or pip install mlflow)"
@@ -39,43 +39,6 @@ def _import_mlflow() -> None:
         import mlflow.tracking  # noqa: F401 - the client, imported only when this logger is chosen
     except ImportError as error:
         raise ImportError(f"{INSTALL} ({error})") from error
-
-
-def tracking_uri_of(setting: Optional[str], store_dir: Path) -> tuple[str, str]:
-    """The tracking URI and where it came from: the setting, MLFLOW_TRACKING_URI, else SQLite beside the runs."""
-    if setting:
-        return str(setting), "logger.mlflow.tracking_uri"
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
-    return f"sqlite:///{store_dir / 'mlflow.db'}", DEFAULT_SOURCE
-
-
-def sqlite_path(uri: str) -> Optional[Path]:
-    """The database file of a `sqlite:///` URI (None for any other store)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///"):].split("?")[0]
-    return None if path in ("", ":memory:") else Path(path)
-
-
-@contextlib.contextmanager
-def store_lock(uri: str) -> Iterator[None]:
-    """Creating a SQLite store (its schema, then the experiment) one process at a time.
-
-    Parallel sweep jobs (the joblib launcher) that open one fresh database at once would each run its schema
-    migrations and fail on the other's tables; under this lock the first creates it and the others find it.
-    """
-    path = sqlite_path(uri)
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class MLflowLogger:
@@ -95,13 +58,14 @@ class MLflowLogger:
             os.environ.setdefault(name, value)
         self.root = Path(root_dir)
         self.job = read_job(root_dir)
-        self.tracking_uri, self._uri_source = tracking_uri_of(tracking_uri, self.job.store_dir)
+        self.tracking_uri, self._uri_source = store.tracking_uri_of(tracking_uri, self.job.store_dir)
         self.experiment_name = experiment_name or self.job.name
         self.run_name = run_name or self.job.run_name
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self.log_checkpoints = log_checkpoints or None
         self.fail_on_error = fail_on_error
-        self.run_id: Optional[str] = None
+        self._run_id: Optional[str] = None
+        self._experiment_id: Optional[str] = None
         self._client: Any = None
         self._params: dict[str, str] = {}  # what the run holds already
         self._logged: set[str] = set()
@@ -112,23 +76,23 @@ class MLflowLogger:
     def check_service(self) -> list[str]:
         """One line per problem with the tracking store, found before training (a server that is down)."""
         where = f"{self.tracking_uri} (from {self._uri_source})"
-        if self.tracking_uri.startswith("sqlite:") and sqlite_path(self.tracking_uri) is None:
+        if self.tracking_uri.startswith("sqlite:") and store.sqlite_path(self.tracking_uri) is None:
             return [f"MLflow cannot keep runs in {where}: an in-memory database is lost when the process ends; "
                     "name a file (sqlite:////path/to/mlflow.db) or leave the setting out for the default"]
-        folder = sqlite_path(self.tracking_uri)
+        folder = store.sqlite_path(self.tracking_uri)
         folder = folder.parent if folder is not None else None
-        if folder is not None and self._uri_source != DEFAULT_SOURCE and not folder.is_dir():
+        if folder is not None and self._uri_source != store.DEFAULT_SOURCE and not folder.is_dir():
             # The default's folder is the runs' own, made with them; a named one is never made up (a typo would
             # become a fresh database in a new folder, or a tree under / when run as root).
             what = "is not a folder;" if folder.exists() else f"does not exist; create it (mkdir -p {folder}) or"
             return [f"{self._uri_source}={self.tracking_uri}: {folder} {what} name a database in an existing "
                     "folder (or leave the setting out: the default keeps mlflow.db beside the run folders)"]
         if not self.tracking_uri.startswith(("http://", "https://", "file:")) and "://" in self.tracking_uri:
-            return _open_database_store(self.tracking_uri, where)
+            return store.open_database_store(self.tracking_uri, where)
         if urlparse(self.tracking_uri).scheme in ("", "file"):  # recent MLflow refuses its plain file store
-            return _open_file_store(self.tracking_uri, where)
+            return store.open_file_store(self.tracking_uri, where)
         try:
-            status = _probe(self.tracking_uri)
+            status = store.probe(self.tracking_uri)
         except Exception as error:  # noqa: BLE001 - any failure to connect is the message
             text = " ".join(str(error).split())
             reason = (re.search(r"\[Errno -?\d+\][^'\")]*", text) or re.match(r".{0,200}", text)).group(0)
@@ -141,16 +105,74 @@ class MLflowLogger:
             return [f"{where} answers HTTP {status} to MLflow's API: is it an MLflow tracking server?"]
         return []
 
+    # -- Lightning's names: the run, its client, its folders (the run starts when first asked) ---------
+    @property
+    def experiment(self) -> Any:
+        """MLflow's MlflowClient (with `run_id`: `self.logger.experiment.log_artifact(self.logger.run_id, path)`);
+        one that does nothing where MLflow failed under fail_on_error=false."""
+        self._guard(lambda: None)
+        return self._client if self._client is not None else NoExperiment()
+
+    @property
+    def run_id(self) -> Optional[str]:
+        self._guard(lambda: None)
+        return self._run_id
+
+    @property
+    def experiment_id(self) -> Optional[str]:
+        self._guard(lambda: None)
+        return self._experiment_id
+
+    @property
+    def name(self) -> Optional[str]:
+        """The experiment's id, as Lightning's MLFlowLogger names it."""
+        return self.experiment_id
+
+    @property
+    def version(self) -> Optional[str]:
+        return self.run_id
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        """The store's folder where it is one on this machine (a SQLite database's, a file store), else None."""
+        path = store.sqlite_path(self.tracking_uri)
+        if path is not None:
+            return str(path.parent)
+        return urlparse(self.tracking_uri).path if self.tracking_uri.startswith("file:") else None
+
+    log_dir = save_dir
+
     # -- the logger's four methods --------------------------------------------------------------------
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._guard(self._log_metrics, metrics, step)
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        self._guard(self._log_metrics, metrics, self._last_step if step is None else int(step))
 
     def resume_at(self, step: int) -> None:
         log.info("MLflow keeps every logged value: the steps from %d on are logged again, and a step's latest "
                  "value (by timestamp) is this run's", step)
 
-    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
+    def log_hyperparams(self, params: Any, metrics: Optional[Mapping[str, float]] = None) -> None:
+        """At the end, the run's settings and final metrics; the user's own calls (without `metrics`) log their
+        params at once."""
+        if metrics is None:
+            self._guard(self._log_params, flat_params(params))
+            return
         self._guard(self._log_end, params, metrics)
+
+    # -- media: images as MLflow's image series, the others as artifacts under <name>/ ------------------
+    def log_image(self, name: str, image: Any, step: int, dataformats: str = "CHW") -> None:
+        self._guard(lambda: self._client.log_image(self._run_id, hwc_array(image, dataformats), key=_param_key(name),
+                                                   step=step))
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        counts, edges = histogram(values)
+        self._guard(lambda: self._client.log_dict(self._run_id, {"counts": counts, "edges": edges},
+                                                  f"{_param_key(name)}/step-{step:06d}.json"))
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self._guard(lambda: self._client.log_figure(self._run_id, figure, f"{_param_key(name)}/step-{step:06d}.png"))
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        self._guard(lambda: self._client.log_text(self._run_id, text, f"{_param_key(name)}/step-{step:06d}.txt"))
 
     def finalize(self) -> None:
         failed = sys.exc_info()[0] is not None  # called from a `finally`: an exception is on its way out
@@ -183,9 +205,9 @@ class MLflowLogger:
     def _start(self) -> None:
         from mlflow.tracking import MlflowClient
 
-        with store_lock(self.tracking_uri):  # the client opens (and may create) the store when it is made
+        with store.store_lock(self.tracking_uri):  # the client opens (and may create) the store when it is made
             client = MlflowClient(tracking_uri=self.tracking_uri)
-            experiment_id = _experiment_id(client, self.experiment_name, self._artifact_location())
+            experiment_id = store.experiment_id(client, self.experiment_name, self._artifact_location())
         run = self._saved_run(client, experiment_id)
         if run is not None:
             client.update_run(run.info.run_id, status="RUNNING")
@@ -196,7 +218,7 @@ class MLflowLogger:
             save_run(self.root / RUN_RECORD, {"tracking_uri": self.tracking_uri, "experiment_id": experiment_id,
                                               "run_id": run.info.run_id})
             log.info("MLflow run %s in experiment %s at %s", run.info.run_id, self.experiment_name, self.tracking_uri)
-        self._client, self.run_id = client, run.info.run_id
+        self._client, self._run_id, self._experiment_id = client, run.info.run_id, experiment_id
         self._params = dict(run.data.params)
         self._log_params(flatten(read_settings(str(self.root))))
 
@@ -207,7 +229,7 @@ class MLflowLogger:
         if not record.exists():
             return None
         saved = read_saved_run(record)
-        run = _active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
+        run = store.active_run(client, saved) if saved.get("tracking_uri") == self.tracking_uri else None
         if not saved.get("run_id") or not saved.get("tracking_uri"):
             why = "is damaged (not a JSON record with tracking_uri and run_id)"
         elif saved["tracking_uri"] != self.tracking_uri:
@@ -225,7 +247,7 @@ class MLflowLogger:
 
     def _artifact_location(self) -> Optional[str]:
         """Beside a SQLite database, its artifacts (MLflow's own default is ./mlruns, wherever the run starts)."""
-        path = sqlite_path(self.tracking_uri)
+        path = store.sqlite_path(self.tracking_uri)
         return (path.parent / "mlartifacts").resolve().as_uri() if path is not None else None
 
     def _run_tags(self) -> dict[str, str]:
@@ -246,11 +268,11 @@ class MLflowLogger:
         values = {cut(_param_key(k), key_limit): cut(str(v), value_limit) for k, v in params.items()}
         changed = sorted(k for k, v in values.items() if k in self._params and self._params[k] != v)
         if changed:
-            log.warning("MLflow run %s keeps the params it started with; this attempt differs in %s", self.run_id,
+            log.warning("MLflow run %s keeps the params it started with; this attempt differs in %s", self._run_id,
                         ", ".join(f"{k} ({self._params[k]} -> {values[k]})" for k in changed[:5]))
         new = [Param(k, v) for k, v in values.items() if k not in self._params]
         for start in range(0, len(new), batch):
-            self._client.log_batch(self.run_id, params=new[start:start + batch])
+            self._client.log_batch(self._run_id, params=new[start:start + batch])
         self._params.update((p.key, p.value) for p in new)
 
     def _log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -259,7 +281,7 @@ class MLflowLogger:
         stamp = int(time.time() * 1000)
         batch = [Metric(name, float(value), stamp, step) for name, value in metrics.items()]
         for start in range(0, len(batch), 1000):  # MLflow's largest batch of metrics
-            self._client.log_batch(self.run_id, metrics=batch[start:start + 1000])
+            self._client.log_batch(self._run_id, metrics=batch[start:start + 1000])
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 
@@ -274,12 +296,12 @@ class MLflowLogger:
         hydra = self.root / ".hydra"
         for name in _HYDRA_FILES:
             if (hydra / name).is_file():
-                self._client.log_artifact(self.run_id, str(hydra / name), ".hydra")
+                self._client.log_artifact(self._run_id, str(hydra / name), ".hydra")
         if (self.root / "metrics.json").is_file():
-            self._client.log_artifact(self.run_id, str(self.root / "metrics.json"))
+            self._client.log_artifact(self._run_id, str(self.root / "metrics.json"))
         for path in self._checkpoints():
-            self._client.log_artifact(self.run_id, str(path), "checkpoints")
-        self._client.set_terminated(self.run_id, status=status)
+            self._client.log_artifact(self._run_id, str(path), "checkpoints")
+        self._client.set_terminated(self._run_id, status=status)
 
     def _checkpoints(self) -> list[Path]:
         folder = self.root / "checkpoints"
@@ -288,71 +310,6 @@ class MLflowLogger:
         if self.log_checkpoints in ("best", "last"):
             return sorted(folder.glob(f"{self.log_checkpoints}.ckpt*"))  # the file and what is written with it
         return []
-
-
-def _probe(uri: str) -> int:
-    """The HTTP status of one search of the server's experiments: no retries, ten seconds at most."""
-    from mlflow.utils.rest_utils import http_request
-
-    try:
-        from mlflow.utils.credentials import get_default_host_creds
-    except ImportError:  # MLflow 2
-        from mlflow.tracking._tracking_service.utils import get_default_host_creds
-    response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
-                            max_retries=0, timeout=10, raise_on_status=False, params={"max_results": 1})
-    return response.status_code
-
-
-def _open_database_store(uri: str, where: str) -> list[str]:
-    """A database store (SQLite, PostgreSQL, ...) opened once, as the first log will: made if new, under the lock."""
-    from mlflow.tracking import MlflowClient
-
-    try:
-        with store_lock(uri):
-            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-    except Exception as error:  # noqa: BLE001 - any failure to open the store is the message
-        return [f"MLflow cannot use the store {where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}"]
-    return []
-
-
-def _open_file_store(uri: str, where: str) -> list[str]:
-    from mlflow.tracking import MlflowClient
-
-    try:
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
-    except Exception as error:  # noqa: BLE001 - MLflow's refusal is the message
-        return [f"MLflow cannot use the store {where}: {' '.join(str(error).split())[:300]} (the default, a "
-                "SQLite database beside the run folders, needs no setting)"]
-    return []
-
-
-def _experiment_id(client: Any, name: str, artifact_location: Optional[str]) -> str:
-    from mlflow.exceptions import MlflowException
-
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        if experiment.lifecycle_stage == "deleted":
-            raise ValueError(f"the MLflow experiment {name!r} is deleted: restore it (mlflow experiments restore "
-                             f"--experiment-id {experiment.experiment_id}) or choose logger.mlflow.experiment_name")
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException:  # another job of the sweep created it first (a server's store has no lock here)
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            raise
-        return experiment.experiment_id
-
-
-def _active_run(client: Any, saved: Mapping[str, Any]) -> Any:
-    """The saved run, when the store still has it and it is not deleted."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = client.get_run(str(saved.get("run_id")))
-    except MlflowException:
-        return None
-    return run if run.info.lifecycle_stage == "active" else None
 
 
 def _param_key(key: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -11,6 +12,8 @@ import time
 from typing import Any, Mapping, Optional
 
 import google_crc32c
+
+from runner.loggers.base import flat_params
 
 _file_numbers = itertools.count()
 
@@ -58,6 +61,9 @@ class EventFile:
         header = struct.pack("<Q", len(data))
         self._file.write(header + _masked_crc(header) + data + _masked_crc(data))
 
+    def flush(self) -> None:
+        self._file.flush()
+
     def _flush_every(self, seconds: float) -> None:
         while not self._closing.wait(seconds):
             self._file.flush()  # the buffered file's own lock orders this against write()
@@ -83,18 +89,29 @@ def _hparam_value(value: Any) -> Any:
 
 
 class TensorBoardLogger:
-    """One event stream in `<root_dir>/<subdir>`, with the hyperparameters and final metrics for HParams."""
+    """One event stream in `<root_dir>/<subdir>`, with the hyperparameters and final metrics for HParams.
+
+    `experiment` is TensorBoard's SummaryWriter writing into that same stream (add_image, add_histogram,
+    add_figure, add_text, add_scalar, ...), as Lightning's TensorBoardLogger has it.
+    """
 
     def __init__(self, root_dir: str, subdir: str = "tensorboard", flush_secs: float = 30) -> None:
         if not (isinstance(flush_secs, (int, float)) and flush_secs > 0):
             raise ValueError(f"flush_secs={flush_secs} must be a positive number of seconds")
+        self.save_dir, self.name, self.version = root_dir, subdir, None  # Lightning's names for the folders
         self.log_dir = os.path.join(root_dir, subdir)
         self.flush_secs = flush_secs
         self._events: Optional[EventFile] = None
         self._summary: Any = None  # tensorboard's Summary message, imported with the first write
+        self._writer: Any = None  # the SummaryWriter `experiment` gives, made at its first use
         self._purge_step: Optional[int] = None
         self._last_step = 0
         self._logged: set[str] = set()
+        self._params: dict[str, Any] = {}  # what the user's code gave log_hyperparams, for the run's HParams
+
+    @property
+    def root_dir(self) -> str:
+        return self.log_dir
 
     @property
     def events(self) -> EventFile:
@@ -109,12 +126,20 @@ class TensorBoardLogger:
             self._events = EventFile(self.log_dir, self.flush_secs, self._purge_step)
         return self._events
 
+    @property
+    def experiment(self) -> Any:
+        """TensorBoard's SummaryWriter, its events in this run's event file (no second file, no second thread)."""
+        if self._writer is None:
+            self._writer = _writer_class()(self)
+        return self._writer
+
     def resume_at(self, step: int) -> None:
         """A resumed run: TensorBoard drops events at or after `step` that an earlier attempt wrote."""
         self._purge_step = step
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """All of a step's scalars as one event: one write, not one per metric."""
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        """All of a step's scalars as one event: one write, not one per metric (`step` None: the last one logged)."""
+        step = self._last_step if step is None else int(step)
         events = self.events
         summary = self._summary
         values = [summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
@@ -122,11 +147,16 @@ class TensorBoardLogger:
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 
-    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """HParams: the run's settings beside its final metrics, in the same event file."""
+    def log_hyperparams(self, params: Any, metrics: Optional[Mapping[str, float]] = None) -> None:
+        """HParams: the run's settings beside its final metrics, in the same event file, once at the end. The user's
+        own calls (without `metrics`) add their params to the settings written then: TensorBoard shows one HParams
+        record per run."""
+        if metrics is None:
+            self._params.update(flat_params(params))
+            return
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: _hparam_value(v) for k, v in params.items()}
+        flat = {k: _hparam_value(v) for k, v in {**params, **self._params}.items()}
         for summary in hparams(flat, dict(metrics)):
             self.events.add_summary(summary)
         # HParams reads each metric from the scalar series of that name. Series already logged end with
@@ -135,6 +165,83 @@ class TensorBoardLogger:
         if unlogged:
             self.log_metrics(unlogged, self._last_step)
 
+    def log_image(self, name: str, image: Any, step: int, dataformats: str = "CHW") -> None:
+        self.experiment.add_image(name, image, step, dataformats=dataformats)
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        self.experiment.add_histogram(name, values, step)
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self.experiment.add_figure(name, figure, step, close=False)
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        self.experiment.add_text(name, text, step)
+
     def finalize(self) -> None:
         if self._events is not None:
             self._events.close()
+
+
+class _EventFileWriter:
+    """What SummaryWriter writes through (torch's FileWriter's methods), into the logger's one event file."""
+
+    def __init__(self, logger: TensorBoardLogger) -> None:
+        self._logger = logger
+
+    def get_logdir(self) -> str:
+        return self._logger.log_dir
+
+    def add_event(self, event: Any, step: Optional[int] = None, walltime: Optional[float] = None) -> None:
+        event.wall_time = time.time() if walltime is None else walltime
+        if step is not None:
+            event.step = int(step)
+        self._logger.events.write(event)
+
+    def add_summary(self, summary: Any, global_step: Optional[int] = None, walltime: Optional[float] = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self.add_event(Event(summary=summary), global_step, walltime)
+
+    def add_graph(self, graph_profile: Any, walltime: Optional[float] = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, TaggedRunMetadata
+
+        graph, stats = graph_profile
+        self.add_event(Event(graph_def=graph.SerializeToString()), None, walltime)
+        metadata = TaggedRunMetadata(tag="step1", run_metadata=stats.SerializeToString())
+        self.add_event(Event(tagged_run_metadata=metadata), None, walltime)
+
+    def add_onnx_graph(self, graph: Any, walltime: Optional[float] = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self.add_event(Event(graph_def=graph.SerializeToString()), None, walltime)
+
+    def flush(self) -> None:
+        if self._logger._events is not None:
+            self._logger._events.flush()
+
+    def close(self) -> None:
+        self.flush()  # the run's file stays open: the logger closes it at the run's end
+
+    def reopen(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _writer_class() -> type:
+    """SummaryWriter whose file writer is the logger's event file (torch.utils.tensorboard imported at first use)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    class RunSummaryWriter(SummaryWriter):
+        """TensorBoard's SummaryWriter, writing into the run's event file rather than a file of its own."""
+
+        def __init__(self, logger: TensorBoardLogger) -> None:
+            self._logger = logger
+            super().__init__(log_dir=logger.log_dir, flush_secs=logger.flush_secs)
+
+        def _get_file_writer(self) -> Any:
+            if self.file_writer is None:
+                self.file_writer = _EventFileWriter(self._logger)
+                self.all_writers = {self._logger.log_dir: self.file_writer}
+            return self.file_writer
+
+    return RunSummaryWriter

@@ -7,12 +7,15 @@ scratch folder and must not leave a run behind), and ends with `finish()`, so ea
 
 from __future__ import annotations
 
+import html
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from runner.loggers.base import flat_params
+from runner.loggers.media import histogram, hwc_array
 from runner.loggers.tracking import read_job, read_saved_run, read_settings, save_run
 
 log = logging.getLogger("runner")
@@ -94,17 +97,51 @@ class WandbLogger:
             self._start_failed = False
         return self.run
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    # -- Lightning's names: the run (started when first asked), the project, the folder ----------------
+    @property
+    def experiment(self) -> Any:
+        """The W&B run (wandb.init's): `self.logger.experiment.log({...})`, `.summary`, `.config`."""
+        return self._active
+
+    @property
+    def version(self) -> str:
+        return self._active.id
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.root)
+
+    log_dir = save_dir
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        step = self._last_step if step is None else int(step)
         self._active.log(dict(metrics), step=step)
         self._logged.update(metrics)
         self._last_step = max(self._last_step, step)
 
+    def log_image(self, name: str, image: Any, step: int, dataformats: str = "CHW") -> None:
+        self.log_metrics({name: self._wandb.Image(hwc_array(image, dataformats))}, step)
+
+    def log_histogram(self, name: str, values: Any, step: int) -> None:
+        counts, edges = histogram(values)
+        self.log_metrics({name: self._wandb.Histogram(np_histogram=(counts, edges))}, step)
+
+    def log_figure(self, name: str, figure: Any, step: int) -> None:
+        self.log_metrics({name: self._wandb.Image(figure)}, step)
+
+    def log_text(self, name: str, text: str, step: int) -> None:
+        self.log_metrics({name: self._wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step)
+
     def resume_at(self, step: int) -> None:
         self._resumed = True
 
-    def log_hyperparams(self, params: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        """The final metrics as the run's summary; those no step logged join the last step's history too."""
+    def log_hyperparams(self, params: Any, metrics: Optional[Mapping[str, float]] = None) -> None:
+        """The final metrics as the run's summary; those no step logged join the last step's history too. The user's
+        own calls (without `metrics`) add their params to the run's config at once."""
         run = self._active
+        if metrics is None:
+            run.config.update(flat_params(params), allow_val_change=True)
+            return
         unlogged = {name: value for name, value in metrics.items() if name not in self._logged}
         if unlogged:
             self.log_metrics(unlogged, self._last_step)

@@ -18,7 +18,7 @@ import torch
 
 from runner.callbacks import Callbacks
 from runner.config import ConfigError
-from runner.errors import DataError
+from runner.errors import CallbackError, DataError
 from runner.flops import StepFlops
 from runner.heartbeat import NoHeartbeat
 from runner.loop import results, state
@@ -84,11 +84,11 @@ class Loop:
         if s.batches_per_epoch < 1:
             raise ConfigError([too_few_batches(self)])
         announce(self)
-        if self.validation_due == self.progress.step:  # the stopped run's due validation, before any step
-            self._validate()
         check_loadable(self, {"data_state": self.train.state_dict()})  # a stream's own state, before any step
         self.callbacks.call("on_fit_start", self)
         self.train_log.begin()
+        if self.validation_due == self.progress.step:  # the stopped run's due validation, before any step
+            self._validate()
         stopped = False
         while p.step < s.max_steps and p.epoch < s.max_epochs and not stopped:
             self.task.train()
@@ -105,10 +105,11 @@ class Loop:
                         self._empty_epoch()
                     ended = True
                     break
-                if self.flops.pending:  # once, on the meta device; its seconds are no step's
-                    self.train_log.tick += self.flops.count(window)
                 p.batch += s.accumulate
-                self.train_step(window, self)  # the loop: its callbacks get on_before_optimizer_step
+                if self.flops.pending:  # the first step, its FLOPs counted: on the meta device, else on the step
+                    self.train_log.tick += self.flops.count(window, lambda: self.train_step(window, self))
+                else:
+                    self.train_step(window, self)  # the loop: its callbacks get on_before_optimizer_step
                 p.step += 1
                 self.callbacks.call("on_train_batch_end", self, self.train_step.outputs, p.step)
                 stopped = self._after_step()
@@ -179,7 +180,7 @@ class Loop:
             self._validate()
         if self.schedule.save:
             state.save(self, periodic=False)
-        result = self._with_run_info(results.fit_result(self.progress, self._signalled, self._stop_reason))
+        result = self._with_run_info(results.fit_result(self, self._signalled, self._stop_reason))
         self.callbacks.call("on_fit_end", self, result)
         self.strategy.checkpoint_io.wait()  # metrics.json never names a step whose checkpoint is not on disk
         if self.strategy.is_global_zero:
@@ -200,7 +201,10 @@ class Loop:
         signalled = metrics.pop("stop_signal", 0)  # stopped partway: nothing for callbacks to rank or stop on
         self._signalled = self._signalled or signalled
         if metrics and not signalled:
-            self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+            try:
+                self.callbacks.call("on_validation_end", self, {**self.progress.metrics, **metrics}, self.progress.step)
+            except (CallbackError, ConfigError) as refused:  # a setting only a validation can check: keep what trained
+                raise state.saved_before(self, refused) from None
         self.train_log.tick += time.perf_counter() - start  # validation time is not training throughput
 
     def evaluate(self, prefix: str, loader: Any, limit: float = math.inf) -> dict:

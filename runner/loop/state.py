@@ -20,9 +20,10 @@ from runner.checkpoint_io import CheckpointError
 from runner.checkpoint_io.plain import unloadable
 from runner.checkpoint_io.trust import check as check_checkpoint, task_name
 from runner.config import ConfigError
+from runner.loop.optimizers import optimizers_of
 from runner.loop.schedule import Progress
 from runner.loop.step import NonFiniteLossError
-from runner.schedulers import configured, described, plan, schedule_change
+from runner.schedulers import configured, described, plan, schedule_change, unreachable
 
 log = logging.getLogger("runner")
 
@@ -63,7 +64,7 @@ def load_state_dict(loop: Any, checkpoint: dict) -> None:
         _load_weights_only(loop, checkpoint)
         return
     samples = _checked_position(loop, checkpoint)
-    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    load_model(loop, checkpoint, with_optimizer=True)
     configured_groups = [dict(group, params=None) for group in loop.optimizer.param_groups]  # this run's settings
     base_lrs = list(getattr(loop.scheduler, "base_lrs", [g["lr"] for g in configured_groups]))
     _check_same_optimizer(loop.optimizer, checkpoint)
@@ -133,11 +134,13 @@ def _resume_mode(loop: Any, checkpoint: dict) -> str:
 
 def _load_weights_only(loop: Any, checkpoint: dict) -> None:
     """trainer.resume=weights: the model's weights; optimizer, schedule, data, step and callbacks start afresh."""
-    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    load_model(loop, checkpoint, with_optimizer=False)
     group = loop.optimizer.param_groups[0]
+    schedule = getattr(loop.scheduler, "description", None) or described(configured(loop.hparams))
+    optimizer = " and ".join(type(o).__name__ for o in optimizers_of(loop.optimizer))
     log.info("trainer.resume=weights: the model's weights of %s (trained %d steps); a new optimizer and schedule "
-             "(%s, lr %g) from step 0", loop.cfg.get("ckpt_path"), checkpoint["step"],
-             described(configured(loop.hparams)), group.get("initial_lr", group["lr"]))
+             "from step 0: %s (lr %g), %s", loop.cfg.get("ckpt_path"), checkpoint["step"], optimizer,
+             group.get("initial_lr", group["lr"]), schedule)
 
 
 def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs: list[float]) -> None:
@@ -149,6 +152,13 @@ def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs:
                            f"{total} (trainer.max_steps={loop.cfg.max_steps}): raise trainer.max_steps to train on"])
     for group, settings, base in zip(loop.optimizer.param_groups, configured_groups, base_lrs):
         group.update({key: value for key, value in settings.items() if key != "params"}, lr=base, initial_lr=base)
+    restart = getattr(loop.scheduler, "restart", None)
+    if restart is not None:  # a schedule the model makes (a LightningModule's configure_optimizers()): made again
+        restart(total - step)
+        loop.schedule_start = step
+        log.info("trainer.resume=new_schedule: a new schedule from step %d over the remaining %d steps: %s", step,
+                 total - step, loop.scheduler.description)
+        return
     _use_scheduler(loop, _built_scheduler(loop, total - step))
     loop.schedule_start = step
     record, steps = _schedule_record(loop, step), total - step
@@ -161,9 +171,13 @@ def _new_schedule(loop: Any, step: int, configured_groups: list[dict], base_lrs:
 def _continue_schedule(loop: Any, checkpoint: dict) -> None:
     """The checkpoint's schedule where it stopped: refused for another scheduler or settings (named), re-planned
     with a line when this run ends elsewhere than the checkpoint's plan did."""
-    saved = checkpoint.get("schedule")
-    if saved is not None:  # older checkpoints hold no record: taken at their word, as before
-        mine = configured(loop.hparams)
+    problem = unreachable(checkpoint, loop.schedule.total_steps, loop.cfg.get("ckpt_path"))
+    if problem:  # found before launch where trainer.max_steps alone ends the run
+        raise ConfigError([problem])
+    saved, mine = checkpoint.get("schedule"), configured(loop.hparams)
+    # Older checkpoints hold no record: taken at their word, as before; nor does a model's own schedule (no scheduler
+    # group: a LightningModule's configure_optimizers()), whose state the scheduler's load checks.
+    if saved is not None and mine:
         problem = schedule_change(saved["scheduler"], mine, loop.cfg.get("ckpt_path"), checkpoint["step"])
         if problem:
             raise ConfigError([problem])
@@ -245,8 +259,37 @@ def _described(identity: dict) -> str:
 def load_weights(loop: Any, checkpoint: dict) -> None:
     """The model's weights and step from a checkpoint, for evaluating or predicting (no training state)."""
     check_checkpoint(loop.cfg.get("ckpt_path"), checkpoint, task_name(loop.task.task), weights=False)
-    loop.strategy.unwrap(loop.wrapped).model.load_state_dict(checkpoint["model"])
+    load_model(loop, checkpoint, with_optimizer=False)
     loop.progress.step, loop.progress.epoch = checkpoint["step"], checkpoint["epoch"]
+
+
+def load_model(loop: Any, checkpoint: dict, with_optimizer: bool) -> None:
+    """The checkpoint's weights into the model: strictly, or, under trainer.strict_loading=false (or a module's own
+    `strict_loading = False`, Lightning's setting), without the keys one side lacks, listed in one line (shapes must
+    still agree). A resume that takes the optimizer's state too needs the parameters it was saved for."""
+    model = loop.strategy.unwrap(loop.wrapped).model
+    if loop.cfg.get("strict_loading", True) and getattr(model, "strict_loading", True) is not False:
+        model.load_state_dict(checkpoint["model"])
+        return
+    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    if not (missing or unexpected):
+        return
+    params = {name for name, _ in model.named_parameters()}
+    saved = sum(len(group.get("params", ())) for group in checkpoint.get("optimizer", {}).get("param_groups", []))
+    mine = sum(len(group["params"]) for group in loop.optimizer.param_groups)
+    if with_optimizer and (params & set(missing) or saved != mine):
+        raise ConfigError([f"trainer.ckpt_path={loop.cfg.get('ckpt_path')}: its optimizer state is of other "
+                           f"parameters than this model's (missing {_listed(missing)}; unexpected "
+                           f"{_listed(unexpected)}); take its weights alone with trainer.resume=weights"])
+    if loop.strategy.is_global_zero:
+        log.warning("not strict (trainer.strict_loading=false or the model's strict_loading): %s loaded without %d "
+                    "key(s) of the model, kept as built (%s), and %d of the checkpoint, dropped (%s)",
+                    loop.cfg.get("ckpt_path"), len(missing), _listed(missing), len(unexpected), _listed(unexpected))
+
+
+def _listed(keys: list, limit: int = 6) -> str:
+    shown = ", ".join(keys[:limit]) or "none"
+    return f"{shown} and {len(keys) - limit} more" if len(keys) > limit else shown
 
 
 def save(loop: Any, periodic: bool) -> None:
@@ -285,6 +328,22 @@ def check_loadable(loop: Any, state: dict) -> None:
     raise CheckpointError(f"{owner} holds {kind} (at {path}), which a checkpoint cannot hold: a weights-only load "
                           f"reads tensors, numbers, strings and lists, tuples and dicts of them; return those from it; "
                           f"no checkpoint is written at step {loop.progress.step}, and {kept}")
+
+
+def saved_before(loop: Any, refused: Exception) -> Exception:
+    """A setting refused at a validation (a metric a setting names is not logged): the step before it is whole, so
+    last.ckpt is saved first, and the refusal says where (every process refuses alike: the metrics are reduced)."""
+    last = loop.run_dir / "checkpoints" / "last.ckpt"
+    if loop.schedule.save:
+        save(loop, periodic=False)
+        loop.strategy.checkpoint_io.wait()  # on disk before the job ends
+        where = (f"the training until step {loop.progress.step} is saved in {last}: fix the setting, then resume "
+                 f"with trainer.ckpt_path={last}")
+    else:
+        where = "nothing is saved (trainer.fast_dev_run saves no checkpoints)"
+    if isinstance(refused, ConfigError):
+        return ConfigError([*refused.problems[:-1], f"{refused.problems[-1]}; {where}"])
+    return type(refused)(f"{refused}; {where}")
 
 
 def _check_finite_weights(loop: Any) -> None:

@@ -75,6 +75,7 @@ class TrainStep:
         self.grad_norm: Optional[torch.Tensor] = None
         self.outputs: list = []  # the last step's micro-batch outputs, kept only for on_train_batch_end
         self.lrs: Optional[list] = None  # each param group's learning rate in the last step (before the scheduler's)
+        self.taken = self.empty_steps = 0  # steps called; those whose every micro-batch was skipped (no optimizer step)
         # A task with one loss per named optimizer: [(name, its parameters)], each loss back-propagated into its own.
         self.parts = loss_parts(task.task, optimizer)
 
@@ -87,6 +88,7 @@ class TrainStep:
         """
         self.lrs = [group["lr"] for group in self.optimizer.param_groups]  # what this step trains with (logged)
         scale, stats, counts, last = self.weights.start(window), [], [], len(window) - 1
+        self.taken += 1
         hooks = loop.callbacks if loop is not None else None
         keep = hooks is not None and hooks.has("on_train_batch_end")
         self.outputs = []
@@ -108,12 +110,16 @@ class TrainStep:
             counts.append(out.get("unit_count"))
             if keep:
                 self.outputs.append(out)
-        if not self.guard.skip_step():
+        skip = self.guard.skip_step()
+        units = None if skip else self.weights.units(stats, counts)
+        if units == 0:  # every micro-batch skipped on every process (its step returned None): no optimizer step
+            self.empty_steps += 1
+        elif not skip:
             if self.parts is not None:
                 for optimizer in optimizers_of(self.optimizer):
                     average_gradients(self.strategy, optimizer)
             self.precision.unscale_gradients(self.optimizer)
-            self.weights.finish(self.task.parameters(), stats, counts)
+            self.weights.finish(self.task.parameters(), units)
             if hooks is not None:
                 hooks.call("on_before_optimizer_step", loop, self.optimizer)
             if self.clip is not None:

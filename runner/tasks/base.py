@@ -254,17 +254,21 @@ class StepWeights:
             return scale[0]
         return get
 
-    def finish(self, parameters: Any, stats: list[torch.Tensor], counts: Optional[list] = None) -> None:
-        """After the backward passes (and unscaling): rescale the gradients where the units came from the model.
-        `counts`: the micro-batches' units as plain numbers, where the task gave them (out["unit_count"]): on one
-        process no tensor is read back."""
+    def units(self, stats: list[torch.Tensor], counts: Optional[list] = None) -> Optional[float]:
+        """After the backward passes: the step's units over every process where they came from the model (None where
+        they were known before). `counts`: the micro-batches' units as plain numbers, where the task gave them
+        (out["unit_count"]): on one process no tensor is read back."""
         if not self._rescale:
-            return
+            return None
         if counts and None not in counts and self.strategy.world_size == 1:
-            total = float(sum(counts))
-        else:
-            local = torch.cat(stats).double()[:, UNITS].sum()
-            total = float(self.strategy.all_reduce(local, reduce_op="sum"))
+            return float(sum(counts))
+        local = torch.cat(stats).double()[:, UNITS].sum()
+        return float(self.strategy.all_reduce(local, reduce_op="sum"))
+
+    def finish(self, parameters: Any, total: Optional[float]) -> None:
+        """After unscaling: rescale the gradients where the units came from the model (`total`: `units()`)."""
+        if total is None:
+            return
         factor = self.strategy.world_size / (self.sample_scale * max(total, 1.0))
         if factor == 1.0:  # the common case (every unit counted as assumed): no list of gradients to build
             return
