@@ -258,12 +258,6 @@ def _stream_loader(share: StreamShare, settings: dict, seed: int, split: str) ->
                   generator=torch.Generator().manual_seed(seed), split=split, share=share)
 
 
-def stream_read(loader: Any) -> Optional[int]:
-    """The samples of its stream `loader` read in its last pass (this process's), or None: not a stream."""
-    share = getattr(getattr(loader, "loader", loader), "share", None)
-    return share.read if share is not None else None
-
-
 class TrainBatches:
     """What the loop reads of its training data: this process's batches (a DataLoader), their size, how many an
     epoch has (`batches`, math.inf for a stream of unknown length), and `identity`, what a checkpoint's position

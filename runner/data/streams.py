@@ -158,11 +158,10 @@ class StreamShare(IterableDataset):
             chunk = list(itertools.islice(samples, per_batch))
             self.read += len(chunk)
             if not chunk or (self.whole and len(chunk) < per_batch):
-                self._check_length(self.read, ended=True)
+                self._check_length(self.read)
                 break
             if batch == last:  # the last global batch its length promises: nothing may follow it
-                self._check_length(self.read + sum(1 for _ in itertools.islice(samples, self.size - self.read + 1)),
-                                   ended=True)
+                self._check_length(self.read + sum(1 for _ in itertools.islice(samples, self.size - self.read + 1)))
             mine = chunk[self.rank::self.num_replicas]
             if (batch - self.start_batch) % workers == worker and mine:  # the DataLoader asks worker 0 first
                 yield (batch, self.collate_fn(mine)) if self.numbered else self.collate_fn(mine)
@@ -179,7 +178,7 @@ class StreamShare(IterableDataset):
         batches = self.size // per_batch if self.whole else -(-self.size // per_batch)
         return batches - 1
 
-    def _check_length(self, read: int, ended: bool) -> None:
+    def _check_length(self, read: int) -> None:
         """A stream that says its length must yield that many samples (the plan of steps and each process's
         share rest on it)."""
         if self.size is not None and read != self.size:
