@@ -1,10 +1,15 @@
-"""The first code of every process the launcher starts (popen: `python -m runner.entry`; spawn and fork: `main`).
+"""The first code of every process the launcher starts (popen: `python -m runner.entry`; spawn, fork and forkserver:
+`main`).
 
 It runs before the worker imports torch, which takes seconds. Before that the process leaves the terminal's process
 group (a Ctrl-C reaches it once, through the launcher), arranges to end with the launcher, and takes the stop
 signals: one that comes before the worker can stop at a step ends the process at once and quietly, as there is
 nothing to save yet, rather than with a KeyboardInterrupt traceback per process. Then it leaves its pid where the
 launcher looks for the processes to pass later signals on to, and hands over to `runner.worker`.
+
+A forkserver worker is forked from a server started (and its imports made) before the job knew its settings: it
+takes the launcher's environment, folder and import path as they are at the launch (`context`), keeping the
+variables the agent set for its rank.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 from runner.processes import STOP_SIGNALS, WORKER_REGISTRY, end_with_parent
 
@@ -23,8 +29,24 @@ def _end_now(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signum)
 
 
-def main(config_file: str, run_dir: str) -> None:
-    """Run one launched worker on the resolved config file the launcher wrote."""
+# The environment this module was imported in: a forkserver's, before the agent set a rank's variables.
+_IMPORTED_IN = dict(os.environ)
+
+
+def _take_launch_context(context: dict) -> None:
+    """The launcher's environment, folder and import path at the launch, the agent's variables for this rank kept."""
+    agent = {key: value for key, value in os.environ.items() if _IMPORTED_IN.get(key) != value}
+    os.environ.clear()
+    os.environ.update({**context["env"], **agent})
+    os.chdir(context["cwd"])
+    sys.path[:] = context["path"]
+
+
+def main(config_file: str, run_dir: str, context: Optional[dict] = None) -> None:
+    """Run one launched worker on the resolved config file the launcher wrote (`context`: a forkserver worker's
+    launch, see _take_launch_context)."""
+    if context is not None:
+        _take_launch_context(context)
     parent = os.getppid()
     end_with_parent()
     with contextlib.suppress(OSError):  # popen workers lead a session already

@@ -17,7 +17,7 @@ from runner import run_lock
 from runner.build import build_strategy, handing_over_data
 from runner.checks import validate
 from runner.config import ConfigError, drop_unselected_callbacks, make_unique_dir
-from runner.launch import launcher_for
+from runner.launch import launcher_for, start_forkserver
 from runner.processes import end_with_parent
 from runner.stages import record_dir
 
@@ -225,6 +225,8 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     if cfg.get("stage") in ("check", "check_data"):
         return check(cfg, run_dir)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+    if _forks_from_a_server(cfg):
+        start_forkserver()  # its imports (torch, the worker) run while this process checks the config
     drop_unselected_callbacks(cfg)
     ckpt_path = resolve_ckpt_path(cfg, run_dir)
     run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: one of its own
@@ -233,6 +235,17 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         validate(cfg, ckpt_path)
         check_writable(cfg, run_dir)
         return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+
+
+def _forks_from_a_server(cfg: DictConfig) -> bool:
+    """Whether this job will most likely launch forkserver workers: several devices asked for, in a process no
+    launcher (torchrun, srun) started. A guess made before the checks, for a head start: the launch starts the
+    server anyway when it is needed."""
+    devices = cfg.trainer.get("devices")
+    several = (isinstance(devices, int) and not isinstance(devices, bool) and devices > 1) or (
+        OmegaConf.is_list(devices) and len(devices) > 1)
+    external = any(name in os.environ for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+    return cfg.strategy.get("start_method") == "forkserver" and several and not external
 
 
 # Where `trainer.ckpt_path=last|best` is looked for by a check without a run folder: the runs under outputs/, where

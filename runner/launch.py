@@ -22,7 +22,26 @@ from typing import Any, Iterator, Literal, Optional
 from runner.errors import JobStopped, WorkerFailed
 from runner.processes import PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive
 
-StartMethod = Literal["popen", "spawn", "fork"]
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+# What a forkserver imports before any worker is forked from it: torch and the worker's code, once per launcher
+# process, at the start of its first job (runner.job), while the checks run.
+FORKSERVER_PRELOAD = ["runner.entry", "runner.worker"]
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver, its imports with it, if it is not running (it serves every later job)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()
+
+
+def _forkserver_pid() -> int:
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) or -1
 
 
 @contextlib.contextmanager
@@ -150,6 +169,10 @@ class ElasticLauncher:
         arguments = (str(scratch / "config.yaml"), str(run_dir))
         if self.start_method == "popen":
             entrypoint, args = sys.executable, ("-m", "runner.entry", *arguments)
+        elif self.start_method == "forkserver":  # its server started before this launch: what the workers need now
+            start_forkserver()
+            context = {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}
+            entrypoint, args = entry.main, (*arguments, context)
         else:
             entrypoint, args = entry.main, arguments
         try:
@@ -273,7 +296,8 @@ def _workers(registry: Path) -> list[int]:
             stat = Path(f"/proc/{entry.name}/stat").read_text()
         except OSError:  # ended
             continue
-        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():  # the fields after the name: state, ppid, ...
+        # The fields after the name: state, ppid, ...; a forkserver worker is its server's child.
+        if int(stat.rpartition(")")[2].split()[1]) in (os.getpid(), _forkserver_pid()):
             found.append(int(entry.name))
     return found
 

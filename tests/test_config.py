@@ -156,7 +156,7 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["precision=16-true"], "precision=16-true with optimizer eps=1e-08: float16 rounds it to 0"),
     (["accelerator=cpu", "strategy=single", "trainer.devices=2"], "needs strategy=ddp or strategy=dp"),
     (["accelerator=cpu", "strategy=dp", "trainer.devices=2"], "needs accelerator=cuda for strategy=dp"),
-    (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread must be one of popen, spawn, fork"),
+    (["strategy=ddp", "strategy.start_method=thread"], "strategy.start_method=thread must be one of popen, spawn, fork, forkserver"),
     (["strategy=ddp", "strategy.timeout=0"], "strategy.timeout=0.0 must be a positive number"),
     (["trainer.compile=fast"], "trainer.compile=fast must be true, false, or torch.compile's keyword arguments"),
     (["trainer.compile={modee:default}"], "got an unexpected keyword argument 'modee' (torch.compile takes"),

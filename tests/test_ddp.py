@@ -239,11 +239,11 @@ def test_constructor_arguments() -> None:
 
 
 def test_bad_start_method_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"strategy.start_method='thread'.*popen, spawn, fork"):
+    with pytest.raises(ValueError, match=r"strategy.start_method='thread'.*popen, spawn, fork, forkserver"):
         DDPStrategy(start_method="thread")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("method", ["popen", "spawn", "fork"])
+@pytest.mark.parametrize("method", ["popen", "spawn", "fork", "forkserver"])
 def test_launcher_starts_one_process_per_device(method: str) -> None:
     wanted = DDPStrategy(parallel_devices=CPU2 * 2, start_method=method).processes
     assert (wanted.count, wanted.start_method) == (4, method)

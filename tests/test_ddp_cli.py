@@ -19,7 +19,7 @@ SHORT = ["data.num_samples=128", "data.val_samples=40", "data.batch_size=16", "t
          "trainer.max_epochs=-1", "model.hidden=16"]
 
 
-@pytest.mark.parametrize("start_method", ["popen", "spawn", "fork"])
+@pytest.mark.parametrize("start_method", ["popen", "spawn", "fork", "forkserver"])
 def test_two_processes_one_run_folder(tmp_path: Path, start_method: str) -> None:
     run_dir = tmp_path / "run"
     result = run_cli([*TWO_CPU, *SHORT, f"strategy.start_method={start_method}", f"hydra.run.dir={run_dir}"],

@@ -47,8 +47,8 @@ def check_components(cfg: DictConfig) -> Iterator[str]:
         yield ("precision=16-mixed needs accelerator=cuda (float16 autocast with loss scaling is for GPUs); "
                "on CPU use precision=bf16-mixed")
     start_method = cfg.strategy.get("start_method")
-    if start_method is not None and start_method not in ("popen", "spawn", "fork"):
-        yield f"strategy.start_method={start_method} is not allowed: use popen, spawn or fork"
+    if start_method is not None and start_method not in ("popen", "spawn", "fork", "forkserver"):
+        yield f"strategy.start_method={start_method} is not allowed: use popen, spawn, fork or forkserver"
     timeout = cfg.strategy.get("timeout")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         yield f"strategy.timeout={timeout} must be a positive number of seconds"

@@ -19,7 +19,7 @@ from runner.precision import Precision
 from runner.strategies import sync_batchnorm
 from runner.strategies.strategy import Strategy, T, WorkerProcesses
 
-StartMethod = Literal["popen", "spawn", "fork"]
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -55,8 +55,8 @@ class DDPStrategy(Strategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        if start_method not in ("popen", "spawn", "fork"):
-            raise ValueError(f"strategy.start_method={start_method!r} is not one of popen, spawn, fork")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"strategy.start_method={start_method!r} is not one of popen, spawn, fork, forkserver")
         if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout >= 0):
             from runner.config import ConfigError
 

@@ -28,7 +28,7 @@ class WorkerProcesses:
     """The processes a strategy needs started on this node; the job picks the launcher that starts them."""
 
     count: int
-    start_method: str = "popen"  # popen, spawn or fork
+    start_method: str = "popen"  # popen, spawn, fork or forkserver
     stall_timeout: Optional[float] = None  # seconds a worker may go without progress; None: not watched
     stall_setting: str = ""  # the setting that chose stall_timeout, as the stall message names it
 
