@@ -21,10 +21,12 @@ from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
 from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, forget_said_lines, register_configs,
                            register_resolvers)
-from runner.hydra_hooks import composed_once, linked_log_in_one_line, wrong_types_in_one_line
+from runner.hydra_hooks import (composed_once, linked_log_in_one_line, write_hydra_records_whole,
+                                wrong_types_in_one_line)
 
 register_resolvers()
 register_configs()
+write_hydra_records_whole()
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
@@ -137,6 +139,9 @@ class RunFolders(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+        record = Path(config.hydra.sweep.dir, "multirun.yaml")
+        if record.is_symlink():  # Hydra's sweeper writes it next with open(), which would follow the link
+            record.unlink()
 
 
 def _check_folder(folder: str, key: str) -> None:
@@ -195,8 +200,8 @@ def _take_run_folder(folder: str) -> None:
         return  # a rank > 0 of torchrun or srun: its Hydra folder is the system's temporary one
     try:
         run_lock.acquire(Path(folder))
-    except run_lock.RunFolderBusy as busy:
-        _report(busy)
+    except (run_lock.RunFolderBusy, ConfigError) as refused:  # a live run there, or a `.hydra` that is a link
+        _report(refused)
         raise SystemExit(1) from None
 
 

@@ -1,5 +1,6 @@
 """Hydra's internals as the command line needs them: each a context manager, in effect only while `python -m runner`
-runs (runner.cli.main), so that `runner.compose` and other apps' Hydra keep Hydra's own behaviour."""
+runs (runner.cli.main), so that `runner.compose` and other apps' Hydra keep Hydra's own behaviour; one exception,
+`write_hydra_records_whole`, set when runner.cli is imported (see why there)."""
 
 from __future__ import annotations
 
@@ -158,3 +159,31 @@ def linked_log_in_one_line() -> Iterator[None]:
         yield
     finally:
         hydra_utils.configure_log = configure
+
+
+def write_hydra_records_whole() -> None:
+    """Hydra's records of a job (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`) are written as the runner writes
+    its own files (runner.files): whole, and never through a symbolic link planted at their paths (Hydra's open()
+    follows one, and overwrote its target with the config); a `.hydra` folder that is a link is refused in one line.
+
+    Set for the process, when runner.cli is imported, not only while main() runs: a parallel launcher's jobs
+    (hydra/launcher=joblib) run in processes that import runner.cli to find the job's function and never call main().
+    The files' contents are Hydra's own."""
+    from hydra.core import utils as hydra_utils
+
+    from runner.files import write_text
+    from runner.run_lock import refuse_linked_records
+
+    if getattr(hydra_utils._save_config, "writes_whole", False):
+        return
+
+    def _save_config(cfg: Any, filename: str, output_dir: Any) -> None:
+        try:
+            refuse_linked_records(output_dir)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        write_text(os.path.join(output_dir, filename), OmegaConf.to_yaml(cfg))
+
+    _save_config.writes_whole = True  # type: ignore[attr-defined]
+    hydra_utils._save_config = _save_config

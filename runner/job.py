@@ -294,7 +294,10 @@ def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: 
 def _write_config_record(cfg: DictConfig, resolved: DictConfig, run_dir: Path) -> None:
     """.hydra/resolved.yaml: what this job runs, for the user and for `last`/`best` searches (workers never
     read it)."""
-    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-    if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it
-        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    OmegaConf.save(resolved, run_dir / ".hydra" / "resolved.yaml")
+    from runner.files import write_text
+
+    records = run_dir / ".hydra"
+    run_lock.refuse_linked_records(records)
+    if not (records / "config.yaml").exists():  # called from Python: no Hydra wrote it
+        write_text(records / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text(records / "resolved.yaml", OmegaConf.to_yaml(resolved))  # a link planted there is replaced

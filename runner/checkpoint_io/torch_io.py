@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from runner.checkpoint_io.base import CheckpointError, CheckpointIO
+from runner.files import fsync_dir
 
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -185,21 +186,6 @@ def _write_reason(err: BaseException, path: str) -> str:
         return (f"the write failed: the disk is full or a quota was reached ({free / 2**20:.1f} MiB free there; "
                 f"{text})")
     return text
-
-
-def fsync_dir(directory: str) -> None:
-    # The rename survives a power loss only once the directory entry is flushed; some platforms
-    # and filesystems refuse to open or fsync a directory, and the write itself already succeeded.
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _one_line(err: BaseException) -> str:
