@@ -1,0 +1,54 @@
+"""Refusals a user meets before anything starts, each one line of the runner's own: a CPU process count far beyond
+the cores, an option a config group does not have, a constructor that refuses its settings, a quoted number.
+`runner.cli.main` runs in-process; nothing may start a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, run_main
+from runner.launch import ElasticLauncher
+
+BASE = [*(o for o in TINY if not o.startswith("logger.")), "logger=none"]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every attempt to start a worker or a process, recorded (and refused) instead of made."""
+    started: list = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        started.append(args)
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(ElasticLauncher, "launch", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    return started
+
+
+@pytest.mark.parametrize("stage", ["fit", "check"])
+def test_a_cpu_process_count_far_beyond_the_cores_is_refused_before_any_process_starts(
+        stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        nothing_starts: list) -> None:
+    """trainer.devices=100000 on a 2-core machine started processes without bound, and stage=check said ok."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    code, output = run_main([*BASE, "strategy=ddp", "trainer.devices=100000", f"stage={stage}",
+                             f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert code == 1, output
+    assert ("trainer.devices=100000 would start 100000 CPU processes, and this process may use 2 cores "
+            "(os.sched_getaffinity): beyond 8 they only slow one another and can exhaust the machine's memory; use "
+            "trainer.devices=2 (one per core), or insist with trainer.oversubscribe_cpu=true") in output, output
+    assert "Traceback" not in output and not nothing_starts
+    assert not (tmp_path / "run" / ".hydra" / "resolved.yaml").exists()
+
+
+def test_a_user_who_insists_may_oversubscribe(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                              nothing_starts: list) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    code, output = run_main([*BASE, "strategy=ddp", "trainer.devices=9", "trainer.oversubscribe_cpu=true",
+                             "stage=check"], monkeypatch, capsys)
+    assert code == 0, output
