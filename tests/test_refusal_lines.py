@@ -52,3 +52,32 @@ def test_a_user_who_insists_may_oversubscribe(monkeypatch: pytest.MonkeyPatch, c
     code, output = run_main([*BASE, "strategy=ddp", "trainer.devices=9", "trainer.oversubscribe_cpu=true",
                              "stage=check"], monkeypatch, capsys)
     assert code == 0, output
+
+
+def test_a_named_pipe_as_the_checkpoint_is_refused_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """Reading a FIFO waits for a writer: the run printed nothing for minutes. Should it wait, a writer that closes
+    at once comes after 20 s, and the reader gets an empty file instead."""
+    import threading
+    import time
+
+    pipe = tmp_path / "last.ckpt"
+    os.mkfifo(pipe)
+
+    def release() -> None:
+        try:
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # nobody reads it: nothing to release
+            pass
+
+    writer = threading.Timer(20, release)
+    writer.start()
+    start = time.monotonic()
+    try:
+        code, output = run_main([*BASE, f"trainer.ckpt_path={pipe}", "stage=check"], monkeypatch, capsys)
+    finally:
+        writer.cancel()
+    assert time.monotonic() - start < 15
+    assert code == 1, output
+    assert (f"trainer.ckpt_path={pipe}: {pipe} is a named pipe (FIFO), not a checkpoint file or folder: reading it "
+            "could wait forever; name a checkpoint file (.ckpt) or a sharded checkpoint folder") in output, output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Optional
 
 import torch
@@ -21,10 +22,28 @@ def load_file(io: CheckpointIO, path: Any, trust_unchecked: bool = False) -> dic
     from runner.checkpoint_io.async_io import AsyncCheckpointIO
     from runner.checkpoint_io.torch_io import TorchCheckpointIO
 
+    refuse_special_file(path)
     inner = io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
     if not isinstance(inner, TorchCheckpointIO):
         return io.load_checkpoint(path, map_location="cpu")
     return io.load_checkpoint(path, map_location="cpu", require_checksum=not trust_unchecked)
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def refuse_special_file(path: Any) -> None:
+    """A checkpoint is a regular file or a folder: anything else is refused at once (reading a named pipe waits for a
+    writer that may never come; a device never ends)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the load says so
+    kind = next((name for test, name in _SPECIAL if test(mode)), None)
+    if kind is not None:
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file or folder: reading it could wait forever; "
+                              "name a checkpoint file (.ckpt) or a sharded checkpoint folder")
 
 
 def task_name(task: Any) -> str:
