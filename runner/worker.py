@@ -54,16 +54,22 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint."""
+    """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint.
+    Once the run has `finished`, such a signal has nothing left to stop: it is said, and the process ends as it
+    would have (a signal after the run is no error)."""
 
     def __init__(self) -> None:
         self.signal = 0
         self._since = 0.0
+        self.finished = False
 
     def __call__(self) -> int:
         return self.signal
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.finished:
+            log.warning("received %s after the run had finished: nothing left to stop", signal.Signals(signum).name)
+            return
         if self.signal:
             if signum == signal.SIGINT and time.monotonic() - self._since >= SAME_REQUEST_S:
                 raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
@@ -73,7 +79,9 @@ class StopRequest:
                     "saving last.ckpt", signal.Signals(signum).name)
 
     @contextlib.contextmanager
-    def installed(self, signals: tuple = STOP_SIGNALS) -> Iterator["StopRequest"]:
+    def installed(self, signals: tuple = STOP_SIGNALS, kept_when_finished: bool = False) -> Iterator["StopRequest"]:
+        """The handler for `signals` while the block runs; `kept_when_finished`: left in place once the run has
+        finished (a launched worker, whose teardown and exit follow)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -81,8 +89,9 @@ class StopRequest:
         try:
             yield self
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            if not (kept_when_finished and self.finished):
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
 
 def configure_logging(run_dir: Path, rank: int) -> None:
@@ -104,8 +113,10 @@ def configure_logging(run_dir: Path, rank: int) -> None:
     log.propagate = False
 
 
-def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None) -> dict:
-    """Train one process's share of the job described by the resolved `cfg` (with `strategy` if built already)."""
+def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None,
+        launched: bool = False) -> dict:
+    """Train one process's share of the job described by the resolved `cfg` (with `strategy` if built already).
+    `launched`: a process the runner's launcher started, which ends once this returns."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
@@ -122,9 +133,10 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
             remove_stale_temporaries(run_dir)
         slurm = SLURMEnvironment.detect()
         # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
-        with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
+        with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ()), launched) as stop:
             result = _lost_peer_in_one_line(lambda: _train(cfg, strategy, run_dir, ckpt_path, stop), strategy,
                                             run_dir)
+            stop.finished = True
             if result.get("stop_signal") == signal.SIGUSR1 and strategy.is_global_zero:
                 _requeue_slurm_job()
             return result
@@ -214,10 +226,13 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         elif ckpt_path:
             log.info("stage=%s with the weights of %s", stage, ckpt_path)
             loop.load_weights(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
-        return stages.RUN[stage](loop, data)
+        result = stages.RUN[stage](loop, data)
     finally:
         close_loaders(train, val)
+        beat.pause()  # the loggers' last writes or upload, on rank 0 alone, may take long
         logger.finalize()
+    beat.phase(heartbeat.DONE, "its exit (after the run)")  # watched: rank 0 has written all the run keeps
+    return result
 
 
 def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any, Any]:
@@ -292,7 +307,7 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
     stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841
     try:
-        run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
+        run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"), launched=True)
     except Exception as error:
         consequence = peer_gone(error)
         if not (consequence or is_user_error(error)):
