@@ -21,8 +21,8 @@ from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
 from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, forget_said_lines, register_configs,
                            register_resolvers)
-from runner.hydra_hooks import (composed_once, linked_log_in_one_line, write_hydra_records_whole,
-                                wrong_types_in_one_line)
+from runner.hydra_hooks import (composed_once, linked_log_in_one_line, unknown_options_in_one_line,
+                                write_hydra_records_whole, wrong_types_in_one_line)
 
 register_resolvers()
 register_configs()
@@ -292,7 +292,7 @@ def main() -> None:
     sys.argv[1:] = _prepare_check(_prepare_external_launch(_quote_numeric_choices(sys.argv[1:])))
     composing = composed_once() if not _multirun(sys.argv[1:]) else contextlib.nullcontext()
     try:
-        with wrong_types_in_one_line(), linked_log_in_one_line(), composing:
+        with wrong_types_in_one_line(), unknown_options_in_one_line(), linked_log_in_one_line(), composing:
             hydra_main()
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
         print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)

@@ -92,6 +92,63 @@ def wrong_types_in_one_line() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def unknown_options_in_one_line() -> Iterator[None]:
+    """An option a config group does not have (`optimizer=lion`, `callbacks=[early_stopping,bogus]`,
+    `hydra/launcher=bogus`, a user's defaults list naming one, a sweep's value) is one line, exit 1, where Hydra
+    prints 8 to 13 of its own (its search path among them): the group's options (the user's folder's too), the
+    closest one, and the file whose defaults list named it when that is not the command line. Only while the command
+    line runs; the primary config missing keeps Hydra's words."""
+    from hydra._internal import defaults_list
+
+    from runner.checks.keys import not_an_option
+
+    not_found, override = defaults_list.config_not_found_error, defaults_list.Overrides.override_default_option
+
+    def override_default_option(self: Any, default: Any) -> None:
+        override(self, default)  # an `override /group: option` of a config file: which file, for the line below
+        meta = self.override_metadata.get(default.get_override_key())
+        if meta is not None and not meta.external_override:
+            default.runner_chosen_in = meta.containing_config_path
+
+    def config_not_found_error(repo: Any, tree: Any) -> None:
+        element = tree.node
+        group, name = element.get_group_path(), element.get_name()
+        options = repo.get_group_options(group, _config_type()) if group else []
+        if element.primary or not group or not name or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            not_found(repo=repo, tree=tree)
+        parent = tree.parent.node.get_config_path() if tree.parent is not None else None
+        chosen_in = getattr(element, "runner_chosen_in", None) or parent
+        where = "" if chosen_in in (None, "config") else _defaults_of(repo, chosen_in)
+        print(f"error: {not_an_option(group, name, options, where)}", file=sys.stderr)
+        raise SystemExit(1)
+
+    defaults_list.config_not_found_error = config_not_found_error
+    defaults_list.Overrides.override_default_option = override_default_option
+    try:
+        yield
+    finally:
+        defaults_list.config_not_found_error = not_found
+        defaults_list.Overrides.override_default_option = override
+
+
+def _config_type() -> Any:
+    from hydra.core.object_type import ObjectType
+
+    return ObjectType.CONFIG
+
+
+def _defaults_of(repo: Any, config_path: str) -> str:
+    """`named in the defaults of my_conf/experiment/mine.yaml`: the user's file that holds `config_path`'s defaults
+    list ('' for the runner's and Hydra's own)."""
+    from runner.config import _shown
+
+    source = next((s for s in repo.get_sources() if s.is_config(config_path)), None)
+    if source is None or source.provider in ("hydra", "main", "schema"):  # Hydra's own or the runner's: not the user's
+        return ""
+    return f"named in the defaults of {_shown(f'{source.scheme()}://{source.path}', config_path)}"
+
+
+@contextlib.contextmanager
 def composed_once() -> Iterator[None]:
     """A run (not -m) composes its config once, where Hydra composes it twice: once to read `hydra.mode`
     (Hydra.get_mode, in multirun mode), then again to run it, ~0.15 s each (a twentieth of `stage=check`).
