@@ -103,6 +103,28 @@ def _to_log_files(error: BaseException) -> None:
         logger = logger.parent if logger.propagate else None
 
 
+def constructor_failure(error: BaseException) -> BaseException:
+    """A failed `instantiate` (Hydra's "Error in call to target '...': ... full_key: ...") as what the constructor
+    said: the runner's own refusal alone (a ConfigError, or a runner class's ValueError, whose words name the key);
+    for any other class, one line naming its key and `_target_` with the error, the traceback in the run's log.
+    Anything else is returned as it is."""
+    from hydra.errors import InstantiationException
+
+    from runner.config import ConfigError
+
+    cause = error.__cause__
+    if not isinstance(error, InstantiationException) or cause is None:
+        return error
+    if isinstance(cause, ConfigError):
+        return cause
+    target = re.search(r"Error in call to target '([^']+)'", str(error))
+    key = re.search(r"full_key: (\S+)", str(error))
+    name = target.group(1) if target else "?"
+    if name.startswith("runner.") and isinstance(cause, ValueError):
+        return ConfigError([error_line(cause).partition(": ")[2]])
+    return HookFailed(f"{key.group(1) if key else 'the object'} ({name})", cause)
+
+
 class PeerLost(RuntimeError):
     """Under torchrun or srun, another process of the job went away under a collective (its node lost, or killed):
     each surviving rank says so in one line, the transport's traceback in its log file. Its message keeps the

@@ -221,16 +221,24 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     `job_logging`: the job's `hydra/job_logging` when it is not Hydra's default, for the workers to apply.
     `stage=check` (or check_data) checks the config instead, see `check`.
     """
-    if cfg.get("stage") in ("check", "check_data"):
-        return check(cfg, run_dir)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-    drop_unselected_callbacks(cfg)
-    ckpt_path = resolve_ckpt_path(cfg, run_dir)
-    # The data the checks build is the data this process's worker trains on: built once, not twice.
-    with handing_over_data(lambda: _trains_here(cfg)):
-        validate(cfg, ckpt_path)
-        check_writable(cfg, run_dir)
-        return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+    from runner.errors import constructor_failure
+
+    try:
+        if cfg.get("stage") in ("check", "check_data"):
+            return check(cfg, run_dir)
+        run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        drop_unselected_callbacks(cfg)
+        ckpt_path = resolve_ckpt_path(cfg, run_dir)
+        # The data the checks build is the data this process's worker trains on: built once, not twice.
+        with handing_over_data(lambda: _trains_here(cfg)):
+            validate(cfg, ckpt_path)
+            check_writable(cfg, run_dir)
+            return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+    except Exception as error:  # a constructor's refusal: the runner's line, or the user's class and its error
+        said = constructor_failure(error)
+        if said is error:
+            raise
+        raise said from error.__cause__
 
 
 # Where `trainer.ckpt_path=last|best` is looked for by a check without a run folder: the runs under outputs/, where

@@ -81,3 +81,48 @@ def test_a_named_pipe_as_the_checkpoint_is_refused_at_once(tmp_path: Path, monke
     assert code == 1, output
     assert (f"trainer.ckpt_path={pipe}: {pipe} is a named pipe (FIFO), not a checkpoint file or folder: reading it "
             "could wait forever; name a checkpoint file (.ckpt) or a sharded checkpoint folder") in output, output
+
+
+# -- a constructor that refuses its settings: its own words, not Hydra's "Error in call to target ... full_key" ------
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["strategy=ddp", "strategy.timeout=inf"],
+     "strategy.timeout=inf must be a positive number of seconds (a finite one: 1800 is half an hour)"),
+    (["strategy=ddp", "strategy.stall_timeout=-5"],
+     "strategy.stall_timeout=-5.0 must be a number of seconds (0 or null: no watch)"),
+    (["data.num_classes=1"], "data.num_classes=1 must be at least 2"),
+    (["model._target_=user_models.RefusesItsSettings"],
+     "model (user_models.RefusesItsSettings) raised ValueError: hidden=16 is not a size this model builds"),
+], ids=["timeout-inf", "stall-timeout-negative", "one-class", "users-constructor"])
+def test_a_constructors_refusal_is_its_own_line(overrides: list[str], expected: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                nothing_starts: list) -> None:
+    run_dir = tmp_path / "run"
+    code, output = run_main([*BASE, *overrides, f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+    assert code == 1, output
+    assert any(line.endswith(expected) for line in output.splitlines()), output
+    assert "Error in call to target" not in output and "full_key" not in output and "Traceback" not in output
+    if "user_models" in expected:  # the user's class: its traceback is for its author, in the run's log
+        assert "user_models.py" in (run_dir / "runner.log").read_text()
+    assert not nothing_starts
+
+
+def test_a_launched_workers_constructor_failure_reaches_the_launcher_as_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launched worker (runner.worker.run_from_file, as under strategy=ddp) hands the launcher its line through
+    torchelastic's error file, and keeps the traceback in its log."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from conftest import compose_config
+    from runner.worker import run_from_file
+
+    config = tmp_path / "config.yaml"
+    OmegaConf.save(compose_config([*BASE, "model._target_=user_models.RefusesItsSettings"]), config)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(SystemExit):
+        run_from_file(str(config), str(tmp_path / "run"), os.getppid())
+    said = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    assert said == "model (user_models.RefusesItsSettings) raised ValueError: hidden=16 is not a size this model builds"
+    assert "user_models.py" in (tmp_path / "run" / "runner.log").read_text()

@@ -50,9 +50,10 @@ def check_components(cfg: DictConfig) -> Iterator[str]:
     start_method = cfg.strategy.get("start_method")
     if start_method is not None and start_method not in ("popen", "spawn", "fork"):
         yield f"strategy.start_method={start_method} is not allowed: use popen, spawn or fork"
-    timeout = cfg.strategy.get("timeout")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        yield f"strategy.timeout={timeout} must be a positive number of seconds"
+    from runner.strategies.ddp import stall_timeout_problem, timeout_problem
+
+    yield from filter(None, [timeout_problem(cfg.strategy.timeout) if "timeout" in cfg.strategy else None,
+                             stall_timeout_problem(cfg.strategy.get("stall_timeout"))])
     yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
 
 
