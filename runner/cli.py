@@ -232,7 +232,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     try:
         metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
     except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
-        if not _expected(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        error = _in_user_code(error, job_dir)
+        if not _expected(error):
             raise
         _report(error)
         if not multirun:
@@ -265,6 +268,14 @@ def _end_stopped_sweep(signum: int, job_dir: Path) -> None:
     print(f"error: the sweep stopped at job {job_dir.name}; the same command again skips the finished jobs and "
           "resumes this one", file=sys.stderr)
     sys.exit(128 + signum if signum else 1)
+
+
+def _in_user_code(error: BaseException, job_dir: Optional[Path]) -> BaseException:
+    """An error the user's own code raised (a model's forward): its frames and the error, the rest in runner.log."""
+    from runner.errors import user_code_failure
+
+    log = job_dir / "runner.log" if job_dir is not None and (job_dir / "runner.log").exists() else "the run's log"
+    return user_code_failure(error, str(log))
 
 
 def _expected(error: BaseException) -> bool:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
+import sysconfig
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,6 +128,45 @@ def constructor_failure(error: BaseException) -> BaseException:
     return HookFailed(f"{key.group(1) if key else 'the object'} ({name})", cause)
 
 
+class UserCodeFailed(RuntimeError):
+    """An error raised in the user's own code (a model's forward, a loss, a helper of theirs) that the runner did not
+    expect: the user's frames and the error, in Python's form; the runner's frames, with the whole traceback, go to
+    the run's log (`log` names it)."""
+
+    def __init__(self, error: BaseException, frames: list, log: str) -> None:
+        shown = "".join(traceback.format_list(frames)).rstrip()
+        lines = str(error).strip().splitlines()
+        super().__init__(f"{type(error).__name__} in your code (the runner's frames are in {log}):\n{shown}\n"
+                         f"{type(error).__name__}: {lines[0] if lines else ''}")
+        self.__cause__ = error
+        _to_log_files(self)
+
+
+_RUNNER_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_DIRS = tuple(dict.fromkeys(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")))
+
+
+def _whose(filename: str) -> str:
+    """'runner', 'library' (the standard library, installed packages, frozen modules) or 'user' for a frame's file."""
+    path = os.path.abspath(filename)
+    if filename.startswith("<") or {"site-packages", "dist-packages"} & set(path.split(os.sep)) or any(
+            path.startswith(folder + os.sep) for folder in _LIBRARY_DIRS):
+        return "library"
+    return "runner" if path.startswith(_RUNNER_DIR + os.sep) else "user"
+
+
+def user_code_failure(error: BaseException, log: str = "the run's log") -> BaseException:
+    """`error` as a UserCodeFailed when it was raised in the user's code: the innermost frame that is not a
+    library's (torch, the standard library) is the user's. Anything else is returned as it is (a bug to report)."""
+    if is_user_error(error):
+        return error
+    frames = traceback.extract_tb(error.__traceback__)
+    innermost = next((_whose(f.filename) for f in reversed(frames) if _whose(f.filename) != "library"), None)
+    if innermost != "user":
+        return error
+    return UserCodeFailed(error, [f for f in frames if _whose(f.filename) == "user"], log)
+
+
 class PeerLost(RuntimeError):
     """Under torchrun or srun, another process of the job went away under a collective (its node lost, or killed):
     each surviving rank says so in one line, the transport's traceback in its log file. Its message keeps the
@@ -159,5 +201,5 @@ def is_user_error(error: BaseException) -> bool:
     from runner.tasks import BatchError
 
     known = (ConfigError, WorkerFailed, HookFailed, PeerLost, CheckpointError, NonFiniteLossError, JobStopped,
-             InstantiationException, BatchError, CallbackError, RunFolderBusy)
+             InstantiationException, BatchError, CallbackError, RunFolderBusy, UserCodeFailed)
     return isinstance(error, known)

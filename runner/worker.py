@@ -298,7 +298,7 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     """
     from omegaconf import OmegaConf
 
-    from runner.errors import constructor_failure, is_user_error
+    from runner.errors import constructor_failure, is_user_error, user_code_failure
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
@@ -310,6 +310,7 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"), launched=True)
     except Exception as error:
         error = constructor_failure(error)  # a class that refused its settings: its own words, one line
+        error = user_code_failure(error, str(heartbeat.log_path(Path(run_dir), int(os.environ.get("RANK", "0")))))
         consequence = peer_gone(error)
         if not (consequence or is_user_error(error)):
             raise  # a bug: `record` passes the traceback to the launcher

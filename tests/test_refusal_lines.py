@@ -126,3 +126,42 @@ def test_a_launched_workers_constructor_failure_reaches_the_launcher_as_one_line
     said = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
     assert said == "model (user_models.RefusesItsSettings) raised ValueError: hidden=16 is not a size this model builds"
     assert "user_models.py" in (tmp_path / "run" / "runner.log").read_text()
+
+
+# -- an error in the user's own code: their frames and the error, the runner's frames in the log -------------------
+
+def test_a_users_forward_that_raises_shows_the_users_frames_and_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """It printed ~100 lines of the runner's and torch's frames (Hydra's report of an unexpected error)."""
+    run_dir = tmp_path / "run"
+    code, output = run_main([*BASE, "model._target_=user_models.FailsInForward", f"hydra.run.dir={run_dir}"],
+                            monkeypatch, capsys)
+    assert code == 1, output
+    said = [line for line in output.splitlines() if not line.startswith("[")]  # the log's lines start with a time
+    assert said[0] == f"error: RuntimeError in your code (the runner's frames are in {run_dir / 'runner.log'}):"
+    assert said[-1] == "RuntimeError: the user's helper cannot take a batch of 16"
+    frames = [line for line in said if line.startswith("  File ")]
+    assert [f.rsplit(", in ", 1)[1] for f in frames] == ["forward", "_helper"], output
+    assert all("user_models.py" in f for f in frames) and "/runner/" not in "\n".join(said), output
+    log = (run_dir / "runner.log").read_text()
+    assert "runner/loop/step.py" in log and "user_models.py" in log  # the whole traceback, for a bug report
+
+
+def test_a_launched_rank_hands_the_launcher_the_users_frames(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher shows rank 0's report and compares the other ranks' last lines with it: the error comes last."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from conftest import compose_config
+    from runner.worker import run_from_file
+
+    config = tmp_path / "config.yaml"
+    OmegaConf.save(compose_config([*BASE, "model._target_=user_models.FailsInForward"]), config)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(SystemExit):
+        run_from_file(str(config), str(tmp_path / "run"), os.getppid())
+    said = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"].splitlines()
+    assert said[0] == f"RuntimeError in your code (the runner's frames are in {tmp_path / 'run' / 'runner.log'}):"
+    assert said[-1] == "RuntimeError: the user's helper cannot take a batch of 16", said
+    assert len([line for line in said if line.startswith("  File ")]) == 2, said
