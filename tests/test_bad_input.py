@@ -58,6 +58,8 @@ BAD_INPUT = [
     # -- trainer
     ("misspelled-trainer-key", ["trainer.devicez=2"], "trainer.devicez"),
     ("devices-not-a-number", ["trainer.devices=abc"], "trainer.devices=abc is not allowed"),
+    ("devices-quoted", ["trainer.devices='2'"],
+     "trainer.devices='2' is a string, not a number (quoted on the command line or in YAML): write trainer.devices=2"),
     ("zero-devices", ["trainer.devices=0"], "trainer.devices=0 is not allowed"),
     ("negative-device-index", ["trainer.devices=[0,-1]"], "trainer.devices=[0, -1] is not allowed"),
     ("zero-max-steps", ["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer"),
