@@ -165,3 +165,32 @@ def test_a_launched_rank_hands_the_launcher_the_users_frames(tmp_path: Path, mon
     assert said[0] == f"RuntimeError in your code (the runner's frames are in {tmp_path / 'run' / 'runner.log'}):"
     assert said[-1] == "RuntimeError: the user's helper cannot take a batch of 16", said
     assert len([line for line in said if line.startswith("  File ")]) == 2, said
+
+
+# -- another tool's weights as the checkpoint: what they are, not advice about pickles ----------------------------
+
+@pytest.mark.parametrize("kind", ["safetensors", "damaged-safetensors", "hf-folder"])
+def test_weights_in_another_format_are_named_as_such(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """A safetensors file that failed got 'checkpoints must hold only tensors, dicts, lists and numbers' (advice about
+    pickles); an HF folder was 'damaged, truncated or not a checkpoint; use an earlier checkpoint'."""
+    import torch
+
+    from runner.checkpoint_io.safetensors_io import save_file
+
+    weights = tmp_path / ("hf" if kind == "hf-folder" else "w.safetensors")
+    weights.parent.mkdir(exist_ok=True)
+    if kind == "hf-folder":
+        weights.mkdir()
+        (weights / "config.json").write_text('{"model_type": "gpt2"}')
+        save_file({"w": torch.zeros(3)}, weights / "model.safetensors")
+    else:
+        save_file({"w": torch.zeros(3)}, weights)
+        if kind == "damaged-safetensors":
+            weights.write_bytes(weights.read_bytes()[:-4])  # its header says more bytes than follow
+    code, output = run_main([*BASE, f"trainer.ckpt_path={weights}", "stage=check"], monkeypatch, capsys)
+    assert code == 1, output
+    what = "a HuggingFace save_pretrained folder" if kind == "hf-folder" else "a safetensors file"
+    assert (f"{what}: weights alone (as runner.export and save_pretrained write them), which no run resumes or "
+            "evaluates from: name a runner checkpoint (a run's checkpoints/*.ckpt)") in output, output
+    assert "tensors, dicts, lists and numbers" not in output and "earlier checkpoint" not in output

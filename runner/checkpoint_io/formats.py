@@ -23,6 +23,30 @@ _RECORD_ADVICE = ("a run records it in model.json when it starts, or the run's c
                   "with a model_type (model.config._target_: transformers.GPT2Config, model.config.model_type: gpt2)")
 
 
+def foreign_format(path: str | os.PathLike) -> Optional[str]:
+    """What `path` is when it is weights in another tool's format, not a runner checkpoint: a safetensors file (its
+    8-byte header length, then JSON) or a HuggingFace save_pretrained folder (config.json beside the weights); None
+    for anything else. Read as bytes: nothing is loaded."""
+    path = Path(path)
+    if path.is_dir():
+        weights = [p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin")]
+        return "a HuggingFace save_pretrained folder" if (path / HF_CONFIG).is_file() and weights else None
+    try:
+        with open(path, "rb") as file:
+            head = file.read(9)
+            size = os.fstat(file.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return "a safetensors file"
+    return None
+
+
+WEIGHTS_ALONE = ("weights alone (as runner.export and save_pretrained write them), which no run resumes or evaluates "
+                 "from: name a runner checkpoint (a run's checkpoints/*.ckpt), or load these weights in the model's "
+                 "own constructor")
+
+
 class RunFacts:
     """What the run folder says about the model: its model.json and the `model` node of its resolved config."""
 

@@ -56,8 +56,16 @@ class TorchCheckpointIO(CheckpointIO):
         except FileNotFoundError as err:
             raise CheckpointError(f"checkpoint not found: {path}") from err
         except Exception as err:
-            advice = ("the file is damaged, truncated or not a checkpoint; use an earlier checkpoint" if _damaged(err)
-                      else "checkpoints must hold only tensors, dicts, lists and numbers")
+            from runner.checkpoint_io.formats import WEIGHTS_ALONE, foreign_format
+
+            # torch reads safetensors itself: its reader's words say so where the header is too damaged to tell
+            foreign = foreign_format(path) or ("a safetensors file" if "deserializing header" in str(err) else None)
+            if foreign:  # neither damaged nor a pickle: another tool's format (that does not even read here)
+                advice = f"it is {foreign}: {WEIGHTS_ALONE}"
+            elif _damaged(err):
+                advice = "the file is damaged, truncated or not a checkpoint; use an earlier checkpoint"
+            else:
+                advice = "checkpoints must hold only tensors, dicts, lists and numbers"
             raise CheckpointError(f"cannot load checkpoint {path}: {_load_reason(err)}; {advice}") from err
         if not isinstance(checkpoint, dict):
             raise CheckpointError(

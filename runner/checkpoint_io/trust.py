@@ -34,12 +34,18 @@ _SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
 
 
 def refuse_special_file(path: Any) -> None:
-    """A checkpoint is a regular file or a folder: anything else is refused at once (reading a named pipe waits for a
-    writer that may never come; a device never ends)."""
+    """A checkpoint file is a regular file: anything else is refused at once (reading a named pipe waits for a writer
+    that may never come; a device never ends), a folder (not a sharded checkpoint) naming what it is."""
+    from runner.checkpoint_io.formats import WEIGHTS_ALONE, foreign_format
+
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return  # missing or unreadable: the load says so
+    if stat.S_ISDIR(mode):  # a sharded checkpoint is read as one before this; any other folder is none
+        foreign = foreign_format(path)
+        raise CheckpointError(f"{path} is {foreign}: {WEIGHTS_ALONE}" if foreign else
+                              f"{path} is a folder, not a checkpoint (a sharded checkpoint holds a .metadata file)")
     kind = next((name for test, name in _SPECIAL if test(mode)), None)
     if kind is not None:
         raise CheckpointError(f"{path} is {kind}, not a checkpoint file or folder: reading it could wait forever; "
