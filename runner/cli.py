@@ -124,7 +124,9 @@ def _quote_numeric_choices(argv: list[str]) -> list[str]:
 
 
 def _report(error: BaseException) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    from runner.errors import say
+
+    say(str(error))
 
 
 class RunFolders(Callback):

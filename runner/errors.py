@@ -11,7 +11,9 @@ import logging
 import os
 import re
 import signal
+import sys
 import sysconfig
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -91,6 +93,24 @@ def call_hook(hook: str, call: Callable[[], Any], where: str = "") -> Any:
         return call()
     except (Exception, SystemExit) as error:  # noqa: BLE001 - any failure of user code is that hook's
         raise HookFailed(hook, error, where) from error
+
+
+def say(message: str) -> None:
+    """`error: <message>` on the console: how the command line ends a job it refuses or that failed. Where torchelastic
+    started this process (torchrun), the message also goes to the error file it reads, so that its report of the
+    failed rank shows it rather than '<N/A>' and a link to its docs."""
+    print(f"error: {message}", file=sys.stderr)
+    report_to_launcher(message)
+
+
+def report_to_launcher(message: str, name: str = "Error") -> None:
+    """`message` in torchelastic's error file for this process (TORCHELASTIC_ERROR_FILE, set by torchrun and by the
+    runner's launcher): the launcher shows it as this rank's failure, without a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        detail = {"message": f"{name}: {message}",
+                  "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        Path(path).write_text(json.dumps({"message": detail}))
 
 
 def _to_log_files(error: BaseException) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError
+from runner.errors import say
 
 # What a typed key takes, by the OmegaConf node that holds it (the schemas' int, float, bool and str fields).
 _TAKES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
@@ -81,7 +81,7 @@ def wrong_types_in_one_line() -> Iterator[None]:
                 if not (isinstance(cause, ValidationError) or unknown) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 line = unknown_key(override, cfg) if unknown else wrong_type(override, cause)
-                print(f"error: {line}", file=sys.stderr)
+                say(line)
                 raise SystemExit(1) from None
 
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)
@@ -119,7 +119,7 @@ def unknown_options_in_one_line() -> Iterator[None]:
         parent = tree.parent.node.get_config_path() if tree.parent is not None else None
         chosen_in = getattr(element, "runner_chosen_in", None) or parent
         where = "" if chosen_in in (None, "config") else _defaults_of(repo, chosen_in)
-        print(f"error: {not_an_option(group, name, options, where)}", file=sys.stderr)
+        say(not_an_option(group, name, options, where))
         raise SystemExit(1)
 
     defaults_list.config_not_found_error = config_not_found_error
@@ -208,7 +208,7 @@ def linked_log_in_one_line() -> Iterator[None]:
         except ValueError as error:
             if not isinstance(error.__cause__, ConfigError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"error: {error.__cause__}", file=sys.stderr)
+            say(str(error.__cause__))
             raise SystemExit(1) from None
 
     hydra_utils.configure_log = configure_log
@@ -238,7 +238,7 @@ def write_hydra_records_whole() -> None:
         try:
             refuse_linked_records(output_dir)
         except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
+            say(str(error))
             raise SystemExit(1) from None
         write_text(os.path.join(output_dir, filename), OmegaConf.to_yaml(cfg))
 

@@ -338,8 +338,6 @@ def _log_to_file(error: BaseException, with_traceback: bool) -> None:
 
 def _report_to_launcher(error: BaseException) -> None:
     """The message alone, in torchelastic's error file: the launcher shows it without a traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        detail = {"message": f"{type(error).__name__}: {error}",
-                  "extraInfo": {"py_callstack": str(error), "timestamp": str(int(time.time()))}}
-        Path(path).write_text(json.dumps({"message": detail}))
+    from runner.errors import report_to_launcher
+
+    report_to_launcher(str(error), type(error).__name__)

@@ -194,3 +194,23 @@ def test_weights_in_another_format_are_named_as_such(kind: str, tmp_path: Path, 
     assert (f"{what}: weights alone (as runner.export and save_pretrained write them), which no run resumes or "
             "evaluates from: name a runner checkpoint (a run's checkpoints/*.ckpt)") in output, output
     assert "tensors, dicts, lists and numbers" not in output and "earlier checkpoint" not in output
+
+
+# -- under torchrun: the line in the error file torchelastic reads ------------------------------------------------
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["trainer.devices='2'"], "trainer.devices='2' is a string, not a number"),
+    (["optimizer=lion"], "optimizer=lion is not an option of optimizer: adamw, parts, sgd"),
+], ids=["refused-by-the-checks", "refused-while-composing"])
+def test_a_refusal_is_written_where_torchelastic_reads_a_ranks_error(overrides: list[str], expected: str,
+                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """torchrun's own ChildFailedError report followed the runner's line with 'error_file: <N/A>' and a link."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    code, output = run_main([*BASE, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert code == 1 and expected in output, output
+    failure = ProcessFailure(local_rank=0, pid=os.getpid(), exitcode=1, error_file=str(error_file))
+    assert expected in failure.message["extraInfo"]["py_callstack"]  # what torchrun's report shows for the rank
