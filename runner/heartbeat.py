@@ -253,6 +253,10 @@ class StallWatch:
         if not all(now - active[rank].changed > limit for rank in stuck):
             return []
         if len(stuck) == self.num_processes:
+            # A rank stopped by SIGSTOP (or Ctrl-Z) holds the others wherever it stopped, at their point too.
+            stopped = [rank for rank in stuck if state(active[rank].pid) == "T"]
+            if stopped:
+                return stopped
             # Every rank quiet at the same point: none waits for another (a slow callback, upload or metric on
             # all of them, or a collective that hangs for all, which strategy.timeout ends). Said once, not ended.
             if self._all_quiet_at != least:

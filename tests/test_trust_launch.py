@@ -321,6 +321,26 @@ def test_once_a_rank_has_finished_and_ended_the_others_get_the_exit_grace(tmp_pa
     assert watch.check(EXIT_GRACE_S + 1) == [1]
 
 
+def test_a_stopped_rank_is_named_even_where_the_others_wait_at_its_point(tmp_path: Path) -> None:
+    """Ranks quiet at one point are not ended (none waits for another), unless one of them is stopped (SIGSTOP): a
+    rank stopped before the run's last barrier held the others there until strategy.timeout."""
+    from runner.heartbeat import END
+    from runner.processes import state
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: state(stopped.pid) == "T", 10, "the process stopped")
+        watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+        for rank, pid in ((0, os.getpid()), (1, stopped.pid)):
+            (tmp_path / str(rank)).write_text(f"{pid} 9 0 0 10 {END} the end of the run".ljust(64))
+        assert watch.check(0.0) == [] and watch.check(4.0) == []
+        assert watch.check(6.0) == [1]
+    finally:
+        stopped.kill()
+        stopped.wait(timeout=10)
+
+
 def test_the_watch_waits_for_saves_and_for_the_slowest_pause_seen(tmp_path: Path) -> None:
     watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
     for now, step in ((0.0, 4), (1.0, 5), (21.0, 6)):  # a step of 20 s: ten times that is allowed
