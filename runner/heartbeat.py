@@ -293,7 +293,7 @@ class StallWatch:
         ended = "the job was ended"
         if self.finished:
             ended += ": the run had finished, its checkpoints and metrics.json are whole"
-        elif first.phase != STEPS or first.steps == 1:  # where a slow start (a download, compiling) is legitimate
+        elif (first.phase != STEPS or first.steps == 1) and not stopped & set(stuck):  # a slow start is legitimate
             ended += "; if it is only slow (a download, compiling), raise strategy.stall_timeout"
         shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n"
                           f"{_top(stacks.get(rank, ''), stopped=rank in stopped)}" for rank in stuck)

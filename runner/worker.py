@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import contextlib
-import json
 import logging
 import os
 import random
