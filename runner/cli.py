@@ -21,10 +21,12 @@ from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
 from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, forget_said_lines, register_configs,
                            register_resolvers)
-from runner.hydra_hooks import composed_once, linked_log_in_one_line, wrong_types_in_one_line
+from runner.hydra_hooks import (composed_once, linked_log_in_one_line, unknown_options_in_one_line,
+                                write_hydra_records_whole, wrong_types_in_one_line)
 
 register_resolvers()
 register_configs()
+write_hydra_records_whole()
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
@@ -122,7 +124,9 @@ def _quote_numeric_choices(argv: list[str]) -> list[str]:
 
 
 def _report(error: BaseException) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    from runner.errors import say
+
+    say(str(error))
 
 
 class RunFolders(Callback):
@@ -137,6 +141,9 @@ class RunFolders(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
+        record = Path(config.hydra.sweep.dir, "multirun.yaml")
+        if record.is_symlink():  # Hydra's sweeper writes it next with open(), which would follow the link
+            record.unlink()
 
 
 def _check_folder(folder: str, key: str) -> None:
@@ -195,8 +202,8 @@ def _take_run_folder(folder: str) -> None:
         return  # a rank > 0 of torchrun or srun: its Hydra folder is the system's temporary one
     try:
         run_lock.acquire(Path(folder))
-    except run_lock.RunFolderBusy as busy:
-        _report(busy)
+    except (run_lock.RunFolderBusy, ConfigError) as refused:  # a live run there, or a `.hydra` that is a link
+        _report(refused)
         raise SystemExit(1) from None
 
 
@@ -227,7 +234,10 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     try:
         metrics = sweep.run_job(cfg, job_dir, Path(hydra_cfg.sweep.dir), fit) if multirun else fit(cfg, job_dir)
     except Exception as error:  # noqa: BLE001 - a known failure becomes one message and a non-zero exit
-        if not _expected(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        error = _in_user_code(error, job_dir)
+        if not _expected(error):
             raise
         _report(error)
         if not multirun:
@@ -262,6 +272,14 @@ def _end_stopped_sweep(signum: int, job_dir: Path) -> None:
     sys.exit(128 + signum if signum else 1)
 
 
+def _in_user_code(error: BaseException, job_dir: Optional[Path]) -> BaseException:
+    """An error the user's own code raised (a model's forward): its frames and the error, the rest in runner.log."""
+    from runner.errors import user_code_failure
+
+    log = job_dir / "runner.log" if job_dir is not None and (job_dir / "runner.log").exists() else "the run's log"
+    return user_code_failure(error, str(log))
+
+
 def _expected(error: BaseException) -> bool:
     from runner.errors import is_user_error
 
@@ -287,7 +305,7 @@ def main() -> None:
     sys.argv[1:] = _prepare_check(_prepare_external_launch(_quote_numeric_choices(sys.argv[1:])))
     composing = composed_once() if not _multirun(sys.argv[1:]) else contextlib.nullcontext()
     try:
-        with wrong_types_in_one_line(), linked_log_in_one_line(), composing:
+        with wrong_types_in_one_line(), unknown_options_in_one_line(), linked_log_in_one_line(), composing:
             hydra_main()
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop at a step), or one during start-up
         print("error: interrupted by Ctrl-C: ended at once, nothing saved after the last checkpoint", file=sys.stderr)

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
+import sys
+import sysconfig
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,6 +100,24 @@ def call_hook(hook: str, call: Callable[[], Any], where: str = "") -> Any:
         raise HookFailed(hook, error, where) from error
 
 
+def say(message: str) -> None:
+    """`error: <message>` on the console: how the command line ends a job it refuses or that failed. Where torchelastic
+    started this process (torchrun), the message also goes to the error file it reads, so that its report of the
+    failed rank shows it rather than '<N/A>' and a link to its docs."""
+    print(f"error: {message}", file=sys.stderr)
+    report_to_launcher(message)
+
+
+def report_to_launcher(message: str, name: str = "Error") -> None:
+    """`message` in torchelastic's error file for this process (TORCHELASTIC_ERROR_FILE, set by torchrun and by the
+    runner's launcher): the launcher shows it as this rank's failure, without a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        detail = {"message": f"{name}: {message}",
+                  "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        Path(path).write_text(json.dumps({"message": detail}))
+
+
 def _to_log_files(error: BaseException) -> None:
     """`error` with its cause's traceback in the runner's log files (the console gets the one line)."""
     log, cause = logging.getLogger("runner"), error.__cause__ or error
@@ -106,6 +129,67 @@ def _to_log_files(error: BaseException) -> None:
             if isinstance(handler, logging.FileHandler):
                 handler.handle(record)
         logger = logger.parent if logger.propagate else None
+
+
+def constructor_failure(error: BaseException) -> BaseException:
+    """A failed `instantiate` (Hydra's "Error in call to target '...': ... full_key: ...") as what the constructor
+    said: the runner's own refusal alone (a ConfigError, or a runner class's ValueError, whose words name the key);
+    for any other class, one line naming its key and `_target_` with the error, the traceback in the run's log.
+    Anything else is returned as it is."""
+    from hydra.errors import InstantiationException
+
+    from runner.config import ConfigError
+
+    cause = error.__cause__
+    if not isinstance(error, InstantiationException) or cause is None:
+        return error
+    if isinstance(cause, ConfigError):
+        return cause
+    target = re.search(r"Error in call to target '([^']+)'", str(error))
+    key = re.search(r"full_key: (\S+)", str(error))
+    name = target.group(1) if target else "?"
+    if name.startswith("runner.") and isinstance(cause, ValueError):
+        return ConfigError([error_line(cause).partition(": ")[2]])
+    return HookFailed(f"{key.group(1) if key else 'the object'} ({name})", cause)
+
+
+class UserCodeFailed(RuntimeError):
+    """An error raised in the user's own code (a model's forward, a loss, a helper of theirs) that the runner did not
+    expect: the user's frames and the error, in Python's form; the runner's frames, with the whole traceback, go to
+    the run's log (`log` names it)."""
+
+    def __init__(self, error: BaseException, frames: list, log: str) -> None:
+        shown = "".join(traceback.format_list(frames)).rstrip()
+        lines = str(error).strip().splitlines()
+        super().__init__(f"{type(error).__name__} in your code (the runner's frames are in {log}):\n{shown}\n"
+                         f"{type(error).__name__}: {lines[0] if lines else ''}")
+        self.__cause__ = error
+        _to_log_files(self)
+
+
+_RUNNER_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_DIRS = tuple(dict.fromkeys(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")))
+
+
+def _whose(filename: str) -> str:
+    """'runner', 'library' (the standard library, installed packages, frozen modules) or 'user' for a frame's file."""
+    path = os.path.abspath(filename)
+    if filename.startswith("<") or {"site-packages", "dist-packages"} & set(path.split(os.sep)) or any(
+            path.startswith(folder + os.sep) for folder in _LIBRARY_DIRS):
+        return "library"
+    return "runner" if path.startswith(_RUNNER_DIR + os.sep) else "user"
+
+
+def user_code_failure(error: BaseException, log: str = "the run's log") -> BaseException:
+    """`error` as a UserCodeFailed when it was raised in the user's code: the innermost frame that is not a
+    library's (torch, the standard library) is the user's. Anything else is returned as it is (a bug to report)."""
+    if is_user_error(error):
+        return error
+    frames = traceback.extract_tb(error.__traceback__)
+    innermost = next((_whose(f.filename) for f in reversed(frames) if _whose(f.filename) != "library"), None)
+    if innermost != "user":
+        return error
+    return UserCodeFailed(error, [f for f in frames if _whose(f.filename) == "user"], log)
 
 
 class PeerLost(RuntimeError):
@@ -142,5 +226,5 @@ def is_user_error(error: BaseException) -> bool:
     from runner.tasks import BatchError
 
     known = (ConfigError, WorkerFailed, HookFailed, PeerLost, CheckpointError, NonFiniteLossError, JobStopped,
-             InstantiationException, BatchError, CallbackError, RunFolderBusy, DataError)
+             InstantiationException, BatchError, CallbackError, RunFolderBusy, UserCodeFailed, DataError)
     return isinstance(error, known)

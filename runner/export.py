@@ -80,9 +80,10 @@ def export(source: Path, target: Path, trust_unchecked: bool = False, fmt: Optio
             raise CheckpointError(f"{target} is a sharded checkpoint: write the HuggingFace folder elsewhere")
         config = formats.hf_config(facts, weights)
         return Exported(weights, _aliases_note(formats.write_hf(target, weights, config)))
-    lit, objects = formats.lightning_checkpoint(facts, checkpoint, weights)
+    lit, objects, named_code = formats.lightning_checkpoint(facts, checkpoint, weights)
     TorchCheckpointIO(checksum=False).save_checkpoint(lit, target)
-    return Exported(weights, [formats.loading_hint(facts, target, objects)])
+    left_out = [f"left out of hyper_parameters: {', '.join(named_code)} (they name code a loader would call)"]
+    return Exported(weights, [formats.loading_hint(facts, target, objects), *(left_out if named_code else [])])
 
 
 def _aliases_note(left_out: dict[str, str]) -> list[str]:

@@ -9,6 +9,9 @@ step, pause the watch of the ranks in them.
 
 Before the first step the beats name a phase (prepare_data, setup, the rest of the start), numbered alike on every
 rank: a rank waiting in a collective for a peer has reached a later phase than the peer, so the earliest is named.
+After the last step two more: the end of the run (its last writes, the test after training, waiting for the other
+ranks) and its exit; a rank whose process has ended counts as the furthest of all, so a rank that holds the job
+after the others have ended (stopped by SIGSTOP, stuck in its exit) is named too.
 """
 
 from __future__ import annotations
@@ -23,13 +26,18 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.processes import running, state
+
 # Set by the launcher in the workers' environment: the private folder of the launch where beats go.
 HEARTBEAT_DIR = "RUNNER_HEARTBEAT_DIR"
 # How much longer than the longest pause seen between beats a rank may be quiet before it counts as stuck.
 SLOWEST_PAUSE_FACTOR = 10
+# Once a rank has finished and ended, how long another may stay quiet at most (its teardown and exit are left): a
+# rank stopped after `done:` holds the job this long, not the stall timeout's minutes.
+EXIT_GRACE_S = 30.0
 DUMP_SIGNAL = signal.SIGUSR2  # on it each launched worker dumps its Python stacks (faulthandler)
 # A worker's phases, in the order every rank goes through them (a rank that skips one goes on to the next).
-START, PREPARE, PREPARED, SETUP, BUILT, STEPS = range(6)
+START, PREPARE, PREPARED, SETUP, BUILT, STEPS, END, DONE = range(8)
 _WIDTH = 160  # of a record: a shorter one never leaves the tail of a longer one behind
 
 log = logging.getLogger("runner")
@@ -54,7 +62,7 @@ class Heartbeat:
     where it is before its first step, see `phase`).
 
     `step(n)` at the start of each optimizer step (n steps done); `tick` after each forward pass (a forward hook);
-    the checkpoint hooks pause the watch around a save, and the end of the run pauses it for good.
+    the checkpoint hooks pause the watch around a save; the end of the run and the exit are phases (END, DONE).
     """
 
     def __init__(self, folder: Path, rank: int) -> None:
@@ -68,13 +76,14 @@ class Heartbeat:
         self._write()
 
     def phase(self, phase: int, label: str) -> None:
-        """Entering `phase` (one of START..BUILT) before the first step; `label` names it in the stall message
-        ("rank 1 made no progress for 10 s in <label>")."""
-        self._phase, self._label, self._ticks = phase, label[:100], 0
+        """Entering `phase` (one of START..BUILT before the first step, END or DONE after the last), watched again
+        after a pause; `label` names it in the stall message ("rank 1 made no progress for 10 s in <label>")."""
+        self._phase, self._label, self._ticks, self._paused = phase, label[:100], 0, 0
         self._write()
 
     def pause(self) -> None:
-        """For good: what follows (an evaluation stage, the end of the run) is not watched."""
+        """Until the next step or phase: what follows (an evaluation stage, the logger's last upload) is not
+        watched."""
         self._paused = 1
         self._write()
 
@@ -98,7 +107,7 @@ class Heartbeat:
         self._write()
 
     def on_fit_end(self, loop: Any, result: dict) -> None:
-        self.pause()  # what remains (final writes, waiting for the other ranks) is no step
+        self.phase(END, "the end of the run (after its last step)")  # final writes, the test, the other ranks
 
     def _write(self) -> None:
         record = f"{self._pid} {self._step} {self._ticks} {self._paused} {self._steps} {self._phase} {self._label}"
@@ -130,7 +139,7 @@ class _Rank:
     @property
     def where(self) -> str:
         if self.phase != STEPS:
-            return self.label
+            return self.label or "its exit"
         return f"its first step (step {self.step + 1})" if self.steps == 1 else f"step {self.step + 1}"
 
 
@@ -181,6 +190,7 @@ class StallWatch:
         self.setting = setting or f"strategy.stall_timeout={timeout:g}"  # what chose the timeout, for the message
         self.rank: Optional[int] = None
         self.message: Optional[str] = None
+        self.finished = False  # the stuck rank held a run that had finished: its results are whole
         self._ranks: dict[int, _Rank] = {}
         self._slowest = 0.0
         self._all_quiet_at: Optional[tuple[int, int]] = None  # where every rank was quiet, said once
@@ -215,6 +225,7 @@ class StallWatch:
         while killed and not self._done.wait(0.2):
             if read_beats(self.folder):  # a new attempt's workers beat
                 self.rank = self.message = None
+                self.finished = False
                 return
 
     def check(self, now: float) -> list[int]:
@@ -230,7 +241,11 @@ class StallWatch:
         if len(self._ranks) < self.num_processes:
             return []
         limit = max(self.timeout, SLOWEST_PAUSE_FACTOR * self._slowest)
-        active = {rank: seen for rank, seen in self._ranks.items() if not seen.paused}
+        # A rank that finished and whose process has ended waits for no one: the furthest of all, never blamed.
+        ended = {rank for rank, seen in self._ranks.items() if seen.phase == DONE and not running(seen.pid)}
+        if ended:
+            limit = min(limit, EXIT_GRACE_S)
+        active = {rank: seen for rank, seen in self._ranks.items() if not seen.paused and rank not in ended}
         if not active:
             return []
         least = min(seen.point for seen in active.values())
@@ -238,6 +253,10 @@ class StallWatch:
         if not all(now - active[rank].changed > limit for rank in stuck):
             return []
         if len(stuck) == self.num_processes:
+            # A rank stopped by SIGSTOP (or Ctrl-Z) holds the others wherever it stopped, at their point too.
+            stopped = [rank for rank in stuck if state(active[rank].pid) == "T"]
+            if stopped:
+                return stopped
             # Every rank quiet at the same point: none waits for another (a slow callback, upload or metric on
             # all of them, or a collective that hangs for all, which strategy.timeout ends). Said once, not ended.
             if self._all_quiet_at != least:
@@ -255,18 +274,29 @@ class StallWatch:
 
     def _end(self, stuck: list[int]) -> None:
         quiet = time.monotonic() - min(self._ranks[rank].changed for rank in stuck)
-        stacks = dump_stacks({rank: seen.pid for rank, seen in self._ranks.items()}, self.folder)
+        stopped = {rank for rank, seen in self._ranks.items() if state(seen.pid) in ("T", "t")}  # cannot dump
+        stacks = dump_stacks({rank: seen.pid for rank, seen in self._ranks.items()
+                              if running(seen.pid) and rank not in stopped}, self.folder)
         kept = keep_in_logs(stacks, self.run_dir)
         first = self._ranks[stuck[0]]
-        who = (f"rank {stuck[0]} made no progress for {quiet:.0f} s in {first.where}, while the other ranks waited "
-               "for it" if len(stuck) == 1 else
-               f"ranks {', '.join(map(str, stuck))} made no progress for {quiet:.0f} s in {first.where}, all at the "
-               "same point of it")
+        others = ("after the other ranks had ended" if any(seen.phase == DONE and not running(seen.pid)
+                                                           for seen in self._ranks.values())
+                  else "while the other ranks waited for it")
+        who = (f"rank {stuck[0]} made no progress for {quiet:.0f} s in {first.where}, {others}" if len(stuck) == 1
+               else f"ranks {', '.join(map(str, stuck))} made no progress for {quiet:.0f} s in {first.where}, all at "
+                    "the same point of it")
+        if stopped & set(stuck):
+            who += (f"; {'it is' if len(stuck) == 1 else 'rank ' + ', '.join(map(str, sorted(stopped & set(stuck))))}"
+                    " stopped (SIGSTOP, or Ctrl-Z; SIGCONT would resume it)")
+        # Rank 0 wrote everything the run keeps (checkpoints, metrics.json, the loggers) before it reached DONE.
+        self.finished = self._ranks.get(0) is not None and self._ranks[0].phase == DONE
         ended = "the job was ended"
-        if first.phase != STEPS or first.steps == 1:  # where a slow start (a download, compiling) is legitimate
+        if self.finished:
+            ended += ": the run had finished, its checkpoints and metrics.json are whole"
+        elif (first.phase != STEPS or first.steps == 1) and not stopped & set(stuck):  # a slow start is legitimate
             ended += "; if it is only slow (a download, compiling), raise strategy.stall_timeout"
-        shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n{_top(stacks.get(rank, ''))}"
-                          for rank in stuck)
+        shown = "\n".join(f"rank {rank}'s Python stack (most recent call first):\n"
+                          f"{_top(stacks.get(rank, ''), stopped=rank in stopped)}" for rank in stuck)
         self.rank = stuck[0]
         self.message = f"{who} ({self.setting}); {ended}.\n{shown}"
         if kept:
@@ -307,10 +337,10 @@ def keep_in_logs(stacks: dict[int, str], run_dir: Path) -> list[str]:
     return kept
 
 
-def _top(stack: str, lines: int = 15) -> str:
+def _top(stack: str, lines: int = 15, stopped: bool = False) -> str:
     """The innermost frames of a dump, where a stall is; the whole dump goes to the rank's log."""
     if not stack:
-        return "(it wrote none in time)"
+        return "(it is stopped: it cannot write one)" if stopped else "(it wrote none in time)"
     kept = stack.splitlines()[:lines + 1]
     return "\n".join(kept) + ("\n  ..." if len(stack.splitlines()) > len(kept) else "")
 

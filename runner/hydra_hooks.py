@@ -1,16 +1,17 @@
 """Hydra's internals as the command line needs them: each a context manager, in effect only while `python -m runner`
-runs (runner.cli.main), so that `runner.compose` and other apps' Hydra keep Hydra's own behaviour."""
+runs (runner.cli.main), so that `runner.compose` and other apps' Hydra keep Hydra's own behaviour; one exception,
+`write_hydra_records_whole`, set when runner.cli is imported (see why there)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import ConfigError
+from runner.errors import say
 
 # What a typed key takes, by the OmegaConf node that holds it (the schemas' int, float, bool and str fields).
 _TAKES = {"IntegerNode": "an integer", "FloatNode": "a number", "BooleanNode": "true or false",
@@ -80,7 +81,7 @@ def wrong_types_in_one_line() -> Iterator[None]:
                 if not (isinstance(cause, ValidationError) or unknown) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 line = unknown_key(override, cfg) if unknown else wrong_type(override, cause)
-                print(f"error: {line}", file=sys.stderr)
+                say(line)
                 raise SystemExit(1) from None
 
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(one_by_one)
@@ -88,6 +89,63 @@ def wrong_types_in_one_line() -> Iterator[None]:
         yield
     finally:
         ConfigLoaderImpl._apply_overrides_to_config = merge
+
+
+@contextlib.contextmanager
+def unknown_options_in_one_line() -> Iterator[None]:
+    """An option a config group does not have (`optimizer=lion`, `callbacks=[early_stopping,bogus]`,
+    `hydra/launcher=bogus`, a user's defaults list naming one, a sweep's value) is one line, exit 1, where Hydra
+    prints 8 to 13 of its own (its search path among them): the group's options (the user's folder's too), the
+    closest one, and the file whose defaults list named it when that is not the command line. Only while the command
+    line runs; the primary config missing keeps Hydra's words."""
+    from hydra._internal import defaults_list
+
+    from runner.checks.keys import not_an_option
+
+    not_found, override = defaults_list.config_not_found_error, defaults_list.Overrides.override_default_option
+
+    def override_default_option(self: Any, default: Any) -> None:
+        override(self, default)  # an `override /group: option` of a config file: which file, for the line below
+        meta = self.override_metadata.get(default.get_override_key())
+        if meta is not None and not meta.external_override:
+            default.runner_chosen_in = meta.containing_config_path
+
+    def config_not_found_error(repo: Any, tree: Any) -> None:
+        element = tree.node
+        group, name = element.get_group_path(), element.get_name()
+        options = repo.get_group_options(group, _config_type()) if group else []
+        if element.primary or not group or not name or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            not_found(repo=repo, tree=tree)
+        parent = tree.parent.node.get_config_path() if tree.parent is not None else None
+        chosen_in = getattr(element, "runner_chosen_in", None) or parent
+        where = "" if chosen_in in (None, "config") else _defaults_of(repo, chosen_in)
+        say(not_an_option(group, name, options, where))
+        raise SystemExit(1)
+
+    defaults_list.config_not_found_error = config_not_found_error
+    defaults_list.Overrides.override_default_option = override_default_option
+    try:
+        yield
+    finally:
+        defaults_list.config_not_found_error = not_found
+        defaults_list.Overrides.override_default_option = override
+
+
+def _config_type() -> Any:
+    from hydra.core.object_type import ObjectType
+
+    return ObjectType.CONFIG
+
+
+def _defaults_of(repo: Any, config_path: str) -> str:
+    """`named in the defaults of my_conf/experiment/mine.yaml`: the user's file that holds `config_path`'s defaults
+    list ('' for the runner's and Hydra's own)."""
+    from runner.config import _shown
+
+    source = next((s for s in repo.get_sources() if s.is_config(config_path)), None)
+    if source is None or source.provider in ("hydra", "main", "schema"):  # Hydra's own or the runner's: not the user's
+        return ""
+    return f"named in the defaults of {_shown(f'{source.scheme()}://{source.path}', config_path)}"
 
 
 @contextlib.contextmanager
@@ -150,7 +208,7 @@ def linked_log_in_one_line() -> Iterator[None]:
         except ValueError as error:
             if not isinstance(error.__cause__, ConfigError) or os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"error: {error.__cause__}", file=sys.stderr)
+            say(str(error.__cause__))
             raise SystemExit(1) from None
 
     hydra_utils.configure_log = configure_log
@@ -158,3 +216,31 @@ def linked_log_in_one_line() -> Iterator[None]:
         yield
     finally:
         hydra_utils.configure_log = configure
+
+
+def write_hydra_records_whole() -> None:
+    """Hydra's records of a job (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`) are written as the runner writes
+    its own files (runner.files): whole, and never through a symbolic link planted at their paths (Hydra's open()
+    follows one, and overwrote its target with the config); a `.hydra` folder that is a link is refused in one line.
+
+    Set for the process, when runner.cli is imported, not only while main() runs: a parallel launcher's jobs
+    (hydra/launcher=joblib) run in processes that import runner.cli to find the job's function and never call main().
+    The files' contents are Hydra's own."""
+    from hydra.core import utils as hydra_utils
+
+    from runner.files import write_text
+    from runner.run_lock import refuse_linked_records
+
+    if getattr(hydra_utils._save_config, "writes_whole", False):
+        return
+
+    def _save_config(cfg: Any, filename: str, output_dir: Any) -> None:
+        try:
+            refuse_linked_records(output_dir)
+        except ConfigError as error:
+            say(str(error))
+            raise SystemExit(1) from None
+        write_text(os.path.join(output_dir, filename), OmegaConf.to_yaml(cfg))
+
+    _save_config.writes_whole = True  # type: ignore[attr-defined]
+    hydra_utils._save_config = _save_config

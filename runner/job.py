@@ -222,19 +222,27 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
     `job_logging`: the job's `hydra/job_logging` when it is not Hydra's default, for the workers to apply.
     `stage=check` (or check_data) checks the config instead, see `check`.
     """
-    if cfg.get("stage") in ("check", "check_data"):
-        return check(cfg, run_dir)
-    run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
-    if _forks_from_a_server(cfg):
-        start_forkserver()  # its imports (torch, the worker) run while this process checks the config
-    drop_unselected_callbacks(cfg)
-    ckpt_path = resolve_ckpt_path(cfg, run_dir)
-    run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: one of its own
-    # The data the checks build is the data this process's worker trains on: built once, not twice.
-    with handing_over_data(lambda: _trains_here(cfg)):
-        validate(cfg, ckpt_path)
-        check_writable(cfg, run_dir)
-        return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+    from runner.errors import constructor_failure
+
+    try:
+        if cfg.get("stage") in ("check", "check_data"):
+            return check(cfg, run_dir)
+        run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        if _forks_from_a_server(cfg):
+            start_forkserver()  # its imports (torch, the worker) run while this process checks the config
+        drop_unselected_callbacks(cfg)
+        ckpt_path = resolve_ckpt_path(cfg, run_dir)
+        run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: its own
+        # The data the checks build is the data this process's worker trains on: built once, not twice.
+        with handing_over_data(lambda: _trains_here(cfg)):
+            validate(cfg, ckpt_path)
+            check_writable(cfg, run_dir)
+            return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+    except Exception as error:  # a constructor's refusal: the runner's line, or the user's class and its error
+        said = constructor_failure(error)
+        if said is error:
+            raise
+        raise said from error.__cause__
 
 
 def _forks_from_a_server(cfg: DictConfig) -> bool:
@@ -309,7 +317,10 @@ def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: 
 def _write_config_record(cfg: DictConfig, resolved: DictConfig, run_dir: Path) -> None:
     """.hydra/resolved.yaml: what this job runs, for the user and for `last`/`best` searches (workers never
     read it)."""
-    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-    if not (run_dir / ".hydra" / "config.yaml").exists():  # called from Python: no Hydra wrote it
-        OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-    OmegaConf.save(resolved, run_dir / ".hydra" / "resolved.yaml")
+    from runner.files import write_text
+
+    records = run_dir / ".hydra"
+    run_lock.refuse_linked_records(records)
+    if not (records / "config.yaml").exists():  # called from Python: no Hydra wrote it
+        write_text(records / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_text(records / "resolved.yaml", OmegaConf.to_yaml(resolved))  # a link planted there is replaced

@@ -134,6 +134,9 @@ class ElasticLauncher:
         except _AgentFailed as failed:
             if stop.signum:  # killed after the grace, or stopped now by a second Ctrl-C
                 raise JobStopped(stop.signum, run_dir) from None
+            if getattr(watch, "finished", False):  # a rank held a finished run: ended, and no error
+                logging.getLogger("runner").warning("%s", watch.message)
+                return
             if getattr(watch, "message", None):
                 raise WorkerFailed(watch.rank, watch.message) from None
             raise failed.error from None
@@ -186,7 +189,7 @@ class ElasticLauncher:
                          if other != rank and not _consequence(failure)}
             others = "".join(f"\nthen rank {other}: {'the same' if _same(summary, cause) else summary}"
                              for other, summary in sorted(summaries.items()))
-            raise _AgentFailed(WorkerFailed(rank, _describe(rank, err.failures[rank]) + others)) from None
+            raise _AgentFailed(WorkerFailed(rank, _describe(rank, err.failures[rank], run_dir) + others)) from None
         except SignalException as err:  # the agent passed the signal on and waited for the workers
             raise JobStopped(stop.signum or int(err.sigval), run_dir) from None
 
@@ -344,14 +347,17 @@ def _ending(failure: object) -> str:
     return f"was killed by {name}" if code is not None and code < 0 else f"exited with code {code}"
 
 
-def _describe(rank: int, failure: object) -> str:
+def _describe(rank: int, failure: object, run_dir: Path) -> str:
+    from runner.heartbeat import log_path
+
     trace = _trace(failure)
     if trace:
         hint = ""
         if "timed out" in trace.lower():
             hint = (f"\nrank {rank} waited longer than strategy.timeout in a collective that another rank never "
-                    "reached: that rank is stuck or slow (its log: runner.log for rank 0, rank_<k>.log otherwise)")
+                    f"reached: that rank is stuck or slow (its log in {run_dir}: runner.log for rank 0, "
+                    "rank_<k>.log for rank k)")
         if len(trace.strip().splitlines()) == 1 and not hint:  # a worker's own one-line report (a user error)
             return f"rank {rank}: {trace.strip()}"
         return f"rank {rank} failed:\n{trace.rstrip()}{hint}"
-    return f"rank {rank} {_ending(failure)} (see its log: runner.log for rank 0, rank_{rank}.log otherwise)"
+    return f"rank {rank} {_ending(failure)} (see its log: {log_path(run_dir, rank)})"

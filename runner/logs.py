@@ -38,8 +38,9 @@ def save_job_logging(run_dir: Path, config: Optional[dict]) -> None:
     if config is None:
         path.unlink(missing_ok=True)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    from runner.files import write_text
+
+    write_text(path, json.dumps(config, indent=2) + "\n")  # a link planted there is replaced, not written through
 
 
 def apply_job_logging(run_dir: Path, rank: int) -> bool:
@@ -92,5 +93,6 @@ class NoFollowFileHandler(logging.FileHandler):
 
 
 def linked_log_message(path: Path) -> str:
-    return (f"{path} is a symbolic link (to {os.readlink(path)}); the runner never writes a log through a link: "
-            "remove it, or choose another hydra.run.dir")
+    from runner.files import linked_message
+
+    return linked_message(path, os.readlink(path), "a log")

@@ -43,6 +43,21 @@ def alive(pid: int) -> bool:
     return True
 
 
+def state(pid: int) -> str:
+    """Linux's state of process `pid` (R running, S sleeping, T stopped, Z ended but not collected, ...); '' when
+    there is no such process, or where /proc does not say."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return ""
+    return stat.rpartition(")")[2].split()[0]  # the field after the name, which may hold spaces and parentheses
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists and has not ended (a child not yet collected has)."""
+    return state(pid) not in ("", "Z", "X")
+
+
 def peer_gone(error: BaseException) -> bool:
     """The error a rank gets when another rank's process went away under a collective: a consequence."""
     text = f"{type(error).__name__}: {error}".lower()

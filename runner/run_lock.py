@@ -2,7 +2,8 @@
 
 `fcntl.flock` belongs to the open file: the kernel releases it when the process that took it ends, however it
 ends (SIGKILL too), so a crashed run never blocks the next one in its folder. The file holds the pid of the
-process that took it, for the message a second run gets, and is removed when the run ends.
+process that took it, for the message a second run gets, and is removed when the run ends. A symbolic link planted
+at its path is replaced by the lock file (runner.files.open_own), never opened: its target keeps its content.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import fcntl
 import os
 import threading
 from pathlib import Path
+
+from runner import files
 
 LOCK_FILE = Path(".hydra") / "run.lock"
 
@@ -44,9 +47,10 @@ def acquire(run_dir: Path) -> None:
         _held[folder][1] += 1
         return
     path = folder / LOCK_FILE
+    refuse_linked_records(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = files.open_own(path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -59,6 +63,16 @@ def acquire(run_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[folder] = [fd, 1, threading.get_ident()]
+
+
+def refuse_linked_records(folder: Path) -> None:
+    """A run's `.hydra` folder that is a symbolic link is refused in one line: every record the run keeps there (its
+    lock, its configs) would be written wherever the link leads."""
+    target = files.linked_folder(folder)
+    if target:
+        from runner.config import ConfigError
+
+        raise ConfigError([files.linked_message(folder, target, "its records")])
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 @dataclass
 class TrainerConfig:
     devices: Any = "auto"  # int, -1 or 'auto' (all devices), or a list of device indices
+    oversubscribe_cpu: bool = False  # true: start more CPU processes than 4 per usable core (refused otherwise)
     num_nodes: int = 1
     max_epochs: Optional[int] = None  # None: DEFAULT_EPOCHS, or no limit when max_steps is set; -1: no limit
     max_steps: int = -1  # -1: no limit

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from runner import files
 from runner.config import ConfigError
 
 log = logging.getLogger("runner")
@@ -222,7 +223,7 @@ def _write_summary(sweep_dir: Path, objective: str, direction: str, checking: bo
     """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel).
     `checking`: a sweep of stage=check, whose rows say which configs passed and, for the others, the first problem."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    with open(sweep_dir / ".summary.lock", "w") as lock:
+    with open(files.open_own(sweep_dir / ".summary.lock", os.O_WRONLY), "w") as lock:  # never through a link
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = _job_rows(sweep_dir, objective)
         best = None if checking else best_job(rows, objective, direction)

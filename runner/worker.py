@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import random
@@ -62,14 +61,18 @@ READ_WAIT_S = 5.0
 class StopRequest:
     """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint.
 
+
     While the loop waits for its training data (`reading`), a signal may never reach a step: a stream that blocks,
     or data that never comes. Once it has waited READ_WAIT_S seconds after the signal, the read is cut
-    (ReadCut, raised in the loop's thread) and the loop stops where it stands.
+    (ReadCut, raised in the loop's thread) and the loop stops where it stands. Once the run has `finished`, such a
+    signal has nothing left to stop: it is said, and the process ends as it would have (a signal after the run is no
+    error).
     """
 
     def __init__(self) -> None:
         self.signal = 0
         self._since = 0.0
+        self.finished = False
         self._reads = 0  # reads begun: a timer cuts only the read it was started in
         self._in_read = False
         self._cut = False
@@ -86,6 +89,9 @@ class StopRequest:
         if self._cut and self._in_read:  # the timer's call, in the main thread: end the read now
             self._cut = False
             raise ReadCut(self.signal)
+        if self.finished:
+            log.warning("received %s after the run had finished: nothing left to stop", signal.Signals(signum).name)
+            return
         if self.signal:
             if signum == signal.SIGINT and time.monotonic() - self._since >= SAME_REQUEST_S:
                 raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
@@ -109,7 +115,9 @@ class StopRequest:
             signal.pthread_kill(threading.main_thread().ident, self.signal)
 
     @contextlib.contextmanager
-    def installed(self, signals: tuple = STOP_SIGNALS) -> Iterator["StopRequest"]:
+    def installed(self, signals: tuple = STOP_SIGNALS, kept_when_finished: bool = False) -> Iterator["StopRequest"]:
+        """The handler for `signals` while the block runs; `kept_when_finished`: left in place once the run has
+        finished (a launched worker, whose teardown and exit follow)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -117,8 +125,9 @@ class StopRequest:
         try:
             yield self
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            if not (kept_when_finished and self.finished):
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
 
 class _Reading:
@@ -157,8 +166,10 @@ def configure_logging(run_dir: Path, rank: int) -> None:
     log.propagate = False
 
 
-def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None) -> dict:
-    """Train one process's share of the job described by the resolved `cfg` (with `strategy` if built already)."""
+def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True, strategy: Any = None,
+        launched: bool = False) -> dict:
+    """Train one process's share of the job described by the resolved `cfg` (with `strategy` if built already).
+    `launched`: a process the runner's launcher started, which ends once this returns."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
@@ -175,9 +186,10 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
             remove_stale_temporaries(run_dir)
         slurm = SLURMEnvironment.detect()
         # SLURM sends SIGUSR1 ahead of the time limit (sbatch --signal=USR1@90): checkpoint, then requeue.
-        with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ())) as stop:
+        with StopRequest().installed(STOP_SIGNALS + ((signal.SIGUSR1,) if slurm else ()), launched) as stop:
             result = _in_one_line(lambda: _train(cfg, strategy, run_dir, ckpt_path, stop), strategy, run_dir,
                                   cfg.data.get("num_workers", "the loaders' own"))
+            stop.finished = True
             if result.get("stop_signal") == signal.SIGUSR1 and strategy.is_global_zero:
                 _requeue_slurm_job()
             return result
@@ -274,10 +286,13 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         elif ckpt_path:
             log.info("stage=%s with the weights of %s", stage, ckpt_path)
             loop.load_weights(strategy.load_checkpoint(ckpt_path, trust_unchecked=trusted))
-        return stages.RUN[stage](loop, data)
+        result = stages.RUN[stage](loop, data)
     finally:
         close_loaders(train, val)
+        beat.pause()  # the loggers' last writes or upload, on rank 0 alone, may take long
         logger.finalize()
+    beat.phase(heartbeat.DONE, "its exit (after the run)")  # watched: rank 0 has written all the run keeps
+    return result
 
 
 def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any, Any]:
@@ -343,7 +358,7 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     """
     from omegaconf import OmegaConf
 
-    from runner.errors import is_user_error
+    from runner.errors import constructor_failure, is_user_error, user_code_failure
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
@@ -352,8 +367,10 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
     stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841
     try:
-        run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"))
+        run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"), launched=True)
     except Exception as error:
+        error = constructor_failure(error)  # a class that refused its settings: its own words, one line
+        error = user_code_failure(error, str(heartbeat.log_path(Path(run_dir), int(os.environ.get("RANK", "0")))))
         consequence = peer_gone(error)
         if not (consequence or is_user_error(error)):
             raise  # a bug: `record` passes the traceback to the launcher
@@ -381,8 +398,6 @@ def _log_to_file(error: BaseException, with_traceback: bool) -> None:
 
 def _report_to_launcher(error: BaseException) -> None:
     """The message alone, in torchelastic's error file: the launcher shows it without a traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        detail = {"message": f"{type(error).__name__}: {error}",
-                  "extraInfo": {"py_callstack": str(error), "timestamp": str(int(time.time()))}}
-        Path(path).write_text(json.dumps({"message": detail}))
+    from runner.errors import report_to_launcher
+
+    report_to_launcher(str(error), type(error).__name__)

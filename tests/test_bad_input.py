@@ -28,7 +28,8 @@ BAD_INPUT = [
     ("find-unused-maybe", ["strategy=ddp", "strategy.find_unused_parameters=maybe"],
      "strategy.find_unused_parameters=maybe is not true or false"),
     ("no-logger", ["~logger"], "logger is not set"),
-    ("logger-null", ["logger=null"], "logger=null is not an option of logger: logger=none logs nothing"),
+    ("logger-null", ["logger=null"], "logger=null is not an option of logger: csv, mlflow, none, tensorboard, wandb "
+                                     "(logger=none logs nothing; ~logger removes the group)"),
     ("no-scheduler", ["~scheduler"], "scheduler is not set"),
     ("misspelled-trainer-key-added", ["+trainer.devicez=2"], "trainer.devicez is not a trainer setting (did you mean"),
     ("top-level-seed", ["+seed=42"], "seed is not a top-level key (did you mean trainer.seed?)"),
@@ -39,9 +40,26 @@ BAD_INPUT = [
     ("unknown-ddp-argument", ["strategy=ddp", "+strategy.foo=1"], "strategy.foo is not a setting of strategy"),
     ("model-narrower-than-data", ["model.in_features=16"], "model.in_features=16"),
     ("another-optimizers-checkpoint", ["trainer.ckpt_path={tmp}/sgd.ckpt"], "holds the state of another optimizer"),
+    # -- options a group does not have: the group's own, one line (Hydra's were 8 to 13)
+    ("optimizer-lion", ["optimizer=lion"], "optimizer=lion is not an option of optimizer: adamw, parts, sgd"),
+    ("accelerator-tpu", ["accelerator=tpu"],
+     "accelerator=tpu is not an option of accelerator: auto, cpu, cuda (did you mean cpu?)"),
+    ("cluster-k8s", ["cluster=k8s"], "cluster=k8s is not an option of cluster: auto, local, slurm, torchelastic"),
+    ("checkpoint-io-s3", ["checkpoint_io=s3"], "checkpoint_io=s3 is not an option of checkpoint_io: async, torch"),
+    ("precision-fp32", ["precision=fp32"],
+     "precision=fp32 is not an option of precision: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true"),
+    ("scheduler-onecycle", ["scheduler=onecycle"], "scheduler=onecycle is not an option of scheduler: constant,"),
+    ("task-segmentation", ["task=segmentation"],
+     "task=segmentation is not an option of task: classification, language_model, model, regression"),
+    ("launcher-bogus", ["hydra/launcher=bogus"], "hydra/launcher=bogus is not an option of hydra/launcher: basic,"),
+    ("model-resnet", ["model=resnet"], "model=resnet is not an option of model: mlp"),
+    ("callbacks-bogus", ["callbacks=[early_stopping,bogus]"],
+     "callbacks=bogus is not an option of callbacks: early_stopping, ema, grad_norm, model_checkpoint,"),
     # -- trainer
     ("misspelled-trainer-key", ["trainer.devicez=2"], "trainer.devicez"),
     ("devices-not-a-number", ["trainer.devices=abc"], "trainer.devices=abc is not allowed"),
+    ("devices-quoted", ["trainer.devices='2'"],
+     "trainer.devices='2' is a string, not a number (quoted on the command line or in YAML): write trainer.devices=2"),
     ("zero-devices", ["trainer.devices=0"], "trainer.devices=0 is not allowed"),
     ("negative-device-index", ["trainer.devices=[0,-1]"], "trainer.devices=[0, -1] is not allowed"),
     ("zero-max-steps", ["trainer.max_steps=0"], "trainer.max_steps=0 must be a positive integer"),
@@ -66,8 +84,9 @@ BAD_INPUT = [
     ("missing-checkpoint", ["trainer.ckpt_path=/missing.ckpt"], "trainer.ckpt_path=/missing.ckpt: checkpoint not"),
     ("corrupt-checkpoint", ["trainer.ckpt_path={tmp}/corrupt.ckpt"], "trainer.ckpt_path={tmp}/corrupt.ckpt"),
     # -- runner-owned groups
-    ("unknown-strategy", ["strategy=nonexistent"], "strategy/nonexistent"),
-    ("numeric-precision", ["precision=17"], "precision/17"),
+    ("unknown-strategy", ["strategy=nonexistent"],
+     "strategy=nonexistent is not an option of strategy: auto, ddp, dp, fsdp, single"),
+    ("numeric-precision", ["precision=17"], "precision=17 is not an option of precision: 16-mixed, 16-true,"),
     ("cuda-without-gpu", ["accelerator=cuda"], "accelerator=cuda but no CUDA device is available"),
     ("fp16-mixed-on-cpu", ["precision=16-mixed"], "precision=16-mixed needs accelerator=cuda"),
     ("mixed-precision-value", ["precision=bf16-mixed", "precision.precision=32"],
@@ -125,7 +144,7 @@ BAD_INPUT = [
     ("fsdp-state-dict-type", ["strategy=fsdp", "strategy.state_dict_type=half"],
      "strategy.state_dict_type=half must be one of sharded, full"),
     ("compile-argument", ["trainer.compile={{modee:default}}"], "got an unexpected keyword argument 'modee'"),
-    ("unknown-experiment", ["experiment=nope"], "experiment/nope"),
+    ("unknown-experiment", ["experiment=nope"], "experiment=nope is not an option of experiment: charlm, digits,"),
 ]
 
 

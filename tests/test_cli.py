@@ -90,10 +90,10 @@ def test_printing_flags_import_neither_torch_nor_tensorboard(tmp_path: Path, fla
 
 # Bad input: (id, overrides, a text the message must contain). {tmp} is this module's scratch folder.
 BAD_INPUT = [
-    ("unknown-strategy", ["strategy=nonexistent"], "strategy/nonexistent"),
+    ("unknown-strategy", ["strategy=nonexistent"], "strategy=nonexistent is not an option of strategy: auto,"),
     ("devices-not-a-number", ["trainer.devices=abc"], "trainer.devices=abc"),
     ("misspelled-key", ["trainer.devicez=2"], "trainer.devicez"),
-    ("numeric-precision", ["precision=17"], "precision/17"),
+    ("numeric-precision", ["precision=17"], "precision=17 is not an option of precision: 16-mixed,"),
     ("zero-batch", ["data.batch_size=0"], "data.batch_size=0"),
     ("missing-checkpoint", ["trainer.ckpt_path=/missing.ckpt"], "trainer.ckpt_path=/missing.ckpt"),
     ("corrupt-checkpoint", ["trainer.ckpt_path={tmp}/corrupt.ckpt"], "trainer.ckpt_path={tmp}/corrupt.ckpt"),

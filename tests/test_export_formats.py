@@ -240,3 +240,40 @@ def test_the_module_a_run_names_is_never_imported(tmp_path: Path, monkeypatch: p
     assert not (tmp_path / "ran").exists() and "planted" not in sys.modules
     written = torch.load(tmp_path / "lit.ckpt", weights_only=True)
     assert written["hyper_parameters"] == {"width": 3}
+
+
+def test_a_tampered_record_adds_no_code_to_a_lightning_export(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """model.json's hyper_parameters were copied whole: an `_instantiator` (Lightning imports and calls it at load,
+    releases before 2.6.6 without asking) or a jsonargparse `class_path` reached the exported checkpoint."""
+    record = {"class": "somewhere.Lit", "kind": "lightning", "objects": ["_instantiator"],
+              "hyper_parameters": {"lr": 0.1, "_instantiator": "os.system", "net": {"class_path": "evil.Net"}}}
+    run = _fake_run(tmp_path / "run", {"_target_": "somewhere.Lit"}, LIGHTNING_TASK, {"w": torch.ones(2)}, record)
+    assert export_main([str(run), str(tmp_path / "lit.ckpt"), "--format", "lightning"]) == 0
+    written = torch.load(tmp_path / "lit.ckpt", weights_only=True)
+    assert written["hyper_parameters"] == {"lr": 0.1}
+    out = capsys.readouterr().out
+    assert "left out of hyper_parameters: _instantiator, net (they name code a loader would call)" in out, out
+    assert "_instantiator=..." not in out  # nothing for the user to pass either
+
+
+MLP_WEIGHTS = {"net.0.weight": torch.ones(16, 8), "net.0.bias": torch.ones(16), "net.2.weight": torch.ones(4, 16)}
+GPT2 = {"model_type": "gpt2", "vocab_size": 50, "n_embd": 16, "n_layer": 2, "architectures": ["GPT2LMHeadModel"]}
+
+
+@pytest.mark.parametrize("fmt,task,record,says", [
+    ("hf", "runner.tasks.supervised.ClassificationTask",
+     {"class": "transformers.GPT2LMHeadModel", "kind": "transformers", "hf_config": GPT2},
+     "does not fit the checkpoint's weights: vocab_size=50 is no size or layer of theirs (net.0.weight (16, 8)"),
+    ("lightning", "runner.tasks.supervised.ClassificationTask", {"class": "somewhere.Lit", "kind": "lightning"},
+     "says the model is somewhere.Lit (kind lightning), but the checkpoint was trained with task "
+     "runner.tasks.supervised.ClassificationTask"),
+], ids=["mlp-called-transformers", "mlp-called-lightning"])
+def test_a_record_that_misdescribes_the_weights_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture, fmt: str,
+                                                           task: str, record: dict, says: str) -> None:
+    """A model.json that called an MLP a transformers model was believed: config.json said GPT-2 over an MLP's
+    weights, which from_pretrained then fills with random ones."""
+    run = _fake_run(tmp_path / "run", {"_target_": "runner.models.MLP"}, task, MLP_WEIGHTS, record)
+    assert export_main([str(run), str(tmp_path / "out"), "--format", fmt]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert "the record does not describe this checkpoint" in err and not (tmp_path / "out").exists()

@@ -269,6 +269,27 @@ def test_a_rank_stuck_in_its_step_is_named_with_its_stack(tmp_path: Path) -> Non
     assert elapsed < 90, elapsed
 
 
+@pytest.mark.slow
+def test_signals_after_the_run_finished_are_no_error_and_hold_the_job_no_longer_than_the_stall_timeout(
+        tmp_path: Path) -> None:
+    """Rank 1 gets SIGTERM as it exits after `done:`, then SIGSTOP: the SIGTERM was reported as a failure (exit 1),
+    and the stopped rank held the job until someone sent SIGCONT (the watch ended with the loop)."""
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = run_cli([*DDP, "model._target_=trust_models.SignalsItselfAtExit", *RANK_FAULT, "trainer.max_steps=2",
+                      "strategy.stall_timeout=5", f"hydra.run.dir={run_dir}"], cwd=TESTS_DIR, timeout=150)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "done:" in output and "Traceback" not in output, output
+    assert "rank 1 made no progress for " in output, output
+    assert (" s in its exit (after the run), after the other ranks had ended; it is "
+            "stopped (SIGSTOP, or Ctrl-Z; SIGCONT would resume it) (strategy.stall_timeout=5); the job was ended: the "
+            "run had finished, its checkpoints and metrics.json are whole.") in output, output
+    assert "received SIGTERM after the run had finished: nothing left to stop" in (run_dir / "rank_1.log").read_text()
+    assert elapsed < 90, elapsed
+
+
 def _beat(folder: Path, rank: int, pid: int, step: int, ticks: int, paused: int = 0, steps: int = 1) -> None:
     (folder / str(rank)).write_text(f"{pid} {step} {ticks} {paused} {steps}".ljust(64))
 
@@ -284,6 +305,40 @@ def test_the_watch_blames_the_least_advanced_rank_once_armed(tmp_path: Path) -> 
     assert watch.check(101.0) == []
     assert watch.check(105.5) == []
     assert watch.check(106.5) == [1]
+
+
+def test_once_a_rank_has_finished_and_ended_the_others_get_the_exit_grace(tmp_path: Path) -> None:
+    """A rank that finished and exited waits for nobody (not the quiet ranks' peer at one point); the rank still
+    there is named after EXIT_GRACE_S, not the stall timeout's minutes."""
+    from runner.heartbeat import DONE, END, EXIT_GRACE_S
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(timeout=30)
+    watch = StallWatch(tmp_path, 2, timeout=300, run_dir=tmp_path)
+    (tmp_path / "0").write_text(f"{ended.pid} 9 0 0 10 {DONE} its exit (after the run)".ljust(64))
+    (tmp_path / "1").write_text(f"{os.getpid()} 9 0 0 10 {END} the end of the run (after its last step)".ljust(64))
+    assert watch.check(0.0) == [] and watch.check(EXIT_GRACE_S - 1) == []
+    assert watch.check(EXIT_GRACE_S + 1) == [1]
+
+
+def test_a_stopped_rank_is_named_even_where_the_others_wait_at_its_point(tmp_path: Path) -> None:
+    """Ranks quiet at one point are not ended (none waits for another), unless one of them is stopped (SIGSTOP): a
+    rank stopped before the run's last barrier held the others there until strategy.timeout."""
+    from runner.heartbeat import END
+    from runner.processes import state
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: state(stopped.pid) == "T", 10, "the process stopped")
+        watch = StallWatch(tmp_path, 2, timeout=5, run_dir=tmp_path)
+        for rank, pid in ((0, os.getpid()), (1, stopped.pid)):
+            (tmp_path / str(rank)).write_text(f"{pid} 9 0 0 10 {END} the end of the run".ljust(64))
+        assert watch.check(0.0) == [] and watch.check(4.0) == []
+        assert watch.check(6.0) == [1]
+    finally:
+        stopped.kill()
+        stopped.wait(timeout=10)
 
 
 def test_the_watch_waits_for_saves_and_for_the_slowest_pause_seen(tmp_path: Path) -> None:
@@ -406,3 +461,14 @@ def test_ranks_quiet_together_at_one_point_are_not_ended(tmp_path: Path, caplog:
     _beat(tmp_path, 0, 10, 5, 2, steps=5)  # rank 0 moves on and waits: rank 1 is now the one stuck
     assert watch.check(201.0) == []  # the 200 s pause is the slowest seen now: ten times it is allowed
     assert watch.check(2202.0) == [1]
+
+
+@pytest.mark.parametrize("rank, log", [(0, "runner.log"), (1, "rank_1.log")])
+def test_a_killed_rank_is_named_with_the_log_it_writes(tmp_path: Path, rank: int, log: str) -> None:
+    """The line named rank_0.log, which never exists: rank 0 writes runner.log."""
+    from types import SimpleNamespace
+
+    from runner.launch import _describe
+
+    killed = SimpleNamespace(exitcode=-signal.SIGKILL, signal_name=lambda: "SIGKILL", error_file_data=None)
+    assert _describe(rank, killed, tmp_path) == f"rank {rank} was killed by SIGKILL (see its log: {tmp_path / log})"

@@ -206,3 +206,23 @@ def test_a_lightning_class_on_the_command_line_is_one_line(override: str) -> Non
         runner.compose(["logger=tensorboard", override])
     key = override.lstrip("+").split("._target_")[0]
     assert [p.split(":")[0] for p in error.value.problems] == [key], error.value.problems
+
+
+# -- an option no group has, named where the user put it ----------------------------------------------------------
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_an_option_a_users_defaults_list_names_and_no_group_has_is_one_line(sweep: bool, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """Hydra's 8 to 13 lines (its search path among them) for an option that is not there, here named in an
+    experiment of the user's folder, and, in a sweep, one job's value."""
+    conf = tree(tmp_path, {"experiment/mine.yaml": "# @package _global_\ndefaults:\n  - override /model: resnet\n"})
+    where = (["optimizer=sgd,lion", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if sweep
+             else ["experiment=mine", f"hydra.run.dir={tmp_path / 'run'}"])
+    code, output = run_main([*(["-m"] if sweep else []), "--config-dir", str(conf), *BASE, *where], monkeypatch,
+                            capsys)
+    assert code == 1, output
+    expected = ("optimizer=lion is not an option of optimizer: adamw, parts, sgd" if sweep else
+                f"model=resnet is not an option of model: mlp (named in the defaults of {conf}/experiment/mine.yaml)")
+    assert output.strip().splitlines() == [f"error: {expected}"], output
+    assert not (tmp_path / "sweep" / "0").exists() and not (tmp_path / "run" / ".hydra").exists()  # no job ran

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import time
 
 import torch
@@ -43,3 +45,18 @@ class BatchErrorOnRank(_OnRank):
 
     def happen(self) -> None:
         raise BatchError(f"the batch of step {self.calls} has no labels (injected on rank {self.rank})")
+
+
+class SignalsItselfAtExit(nn.Module):
+    """A linear classifier whose process of rank `rank` is sent SIGTERM, then SIGSTOP, as it exits after the run (the
+    model is built in every worker): a signal that comes once the run is done."""
+
+    def __init__(self, in_features: int = 32, num_classes: int = 4, rank: int = 1) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, num_classes)
+        if os.environ.get("RANK") == str(rank):
+            atexit.register(os.kill, os.getpid(), signal.SIGSTOP)  # the exit handlers run last in, first out
+            atexit.register(os.kill, os.getpid(), signal.SIGTERM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

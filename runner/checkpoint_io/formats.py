@@ -15,12 +15,41 @@ import torch
 
 from runner.checkpoint_io import safetensors_io
 from runner.checkpoint_io.base import CheckpointError
-from runner.checkpoint_io.model_record import is_plain, read_record
+from runner.checkpoint_io.model_record import FILE as RECORD_FILE
+from runner.checkpoint_io.model_record import is_plain, names_code, plain_hyper_parameters, read_record
 
 HF_WEIGHTS, HF_CONFIG = "model.safetensors", "config.json"  # the names from_pretrained looks for first
 LIGHTNING_TASK = "runner.lightning.task.LightningTask"  # a checkpoint's `task` when its model was a LightningModule
 _RECORD_ADVICE = ("a run records it in model.json when it starts, or the run's config gives it as data: model.config "
                   "with a model_type (model.config._target_: transformers.GPT2Config, model.config.model_type: gpt2)")
+
+
+def foreign_format(path: str | os.PathLike) -> Optional[str]:
+    """What `path` is when it is weights in another tool's format, not a runner checkpoint: a safetensors file (its
+    8-byte header length, then JSON) or a HuggingFace save_pretrained folder (config.json beside the weights); None
+    for anything else. Read as bytes: nothing is loaded."""
+    path = Path(path)
+    if path.is_dir():
+        weights = [p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin")]
+        return "a HuggingFace save_pretrained folder" if (path / HF_CONFIG).is_file() and weights else None
+    try:
+        with open(path, "rb") as file:
+            head = file.read(9)
+            size = os.fstat(file.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return "a safetensors file"
+    return None
+
+
+WEIGHTS_ALONE = ("weights alone (as runner.export and save_pretrained write them), which no run resumes or evaluates "
+                 "from: name a runner checkpoint (a run's checkpoints/*.ckpt), or load these weights in the model's "
+                 "own constructor")
+
+
+_NOT_THIS_RUN = ("the record does not describe this checkpoint (another run's, or edited); export as torch or "
+                 "safetensors, or put back the run's own model.json")
 
 
 class RunFacts:
@@ -31,6 +60,17 @@ class RunFacts:
         self.record = read_record(run_dir) or {}
         self.model_cfg = _model_config(run_dir)
         self.task = checkpoint.get("task")
+        self._check_record()
+
+    def _check_record(self) -> None:
+        """model.json's kind against the checkpoint's task, which the run wrote checksummed: a LightningModule trains
+        under the Lightning task and nothing else does. A record that says otherwise describes another run."""
+        kind = self.record.get("kind")
+        if not self.record or self.task is None:
+            return
+        if kind not in ("transformers", "lightning", "torch") or (kind == "lightning") != (self.task == LIGHTNING_TASK):
+            raise CheckpointError(f"{self.run_dir / RECORD_FILE} says the model is {self.record.get('class')} (kind "
+                                  f"{kind}), but the checkpoint was trained with task {self.task}: {_NOT_THIS_RUN}")
 
     @property
     def target(self) -> str:
@@ -88,10 +128,32 @@ def hf_config(facts: RunFacts, weights: dict[str, torch.Tensor]) -> dict:
                                   f"recorded none: {_RECORD_ADVICE}; {_other_formats(facts)}")
         config = {k: v for k, v in given.items() if not k.startswith("_")}
     config = dict(config)
+    _check_fits(facts, config, weights)
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     if len(dtypes) == 1:  # what save_pretrained records: the dtype the weights are in
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtypes.pop()).removeprefix("torch.")
     return config
+
+
+# A transformers config's sizes, under the names its model types give them: every such model holds a tensor of each.
+_VOCAB, _WIDTH = ("vocab_size",), ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _check_fits(facts: RunFacts, config: dict, weights: dict[str, torch.Tensor]) -> None:
+    """The weights are those of the model the config describes: its vocabulary and width are sizes of its tensors,
+    and its last layer's index is in their names. A record (model.json) that calls another model a transformers one
+    is refused, not believed."""
+    sizes = {size for t in weights.values() if t.dim() >= 2 for size in t.shape}
+    parts = {part for name in weights for part in name.split(".") if part.isdigit()}
+    for keys, fits in ((_VOCAB, lambda n: n in sizes), (_WIDTH, lambda n: n in sizes),
+                       (_LAYERS, lambda n: n < 1 or str(n - 1) in parts)):
+        key = next((k for k in keys if isinstance(config.get(k), int) and not isinstance(config.get(k), bool)), None)
+        if key is not None and not fits(config[key]):
+            shown = ", ".join(f"{name} {tuple(t.shape)}" for name, t in list(weights.items())[:4])
+            raise CheckpointError(f"the run's HuggingFace config ({facts.describe()}) does not fit the checkpoint's "
+                                  f"weights: {key}={config[key]} is no size or layer of theirs ({shown}, ...); "
+                                  f"{_NOT_THIS_RUN}")
 
 
 def write_hf(folder: Path, weights: dict[str, torch.Tensor], config: dict) -> dict[str, str]:
@@ -107,26 +169,33 @@ def write_hf(folder: Path, weights: dict[str, torch.Tensor], config: dict) -> di
 
 
 # -- Lightning -------------------------------------------------------------------------------------------------------
-def lightning_checkpoint(facts: RunFacts, checkpoint: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, list]:
-    """Lightning's checkpoint keys for load_from_checkpoint, and the init arguments the user must pass as objects.
+def lightning_checkpoint(facts: RunFacts, checkpoint: dict,
+                         weights: dict[str, torch.Tensor]) -> tuple[dict, list, list]:
+    """Lightning's checkpoint keys for load_from_checkpoint, the init arguments the user must pass as objects, and
+    the keys left out because they name code.
 
     hyper_parameters: the model config's plain keys (minus _target_ and Hydra's other _keys_), overridden by what the
     module's save_hyperparameters() recorded at the run's start (model.json); a key whose value is an object
-    (a node with its own _target_, or a value not plain data) is left out and named."""
+    (a node with its own _target_, or a value not plain data) is left out and named. Nothing that names code to call
+    is written, whatever model.json holds: Lightning's `_instantiator` is imported and called at load."""
     if not facts.is_lightning():
         raise CheckpointError(f"--format lightning needs a run whose model is a LightningModule; this run's model is "
                               f"{facts.describe()}: {_other_formats(facts)}")
     config = {k: v for k, v in facts.model_cfg.items() if not (k.startswith("_") and k.endswith("_"))}
     objects = {k for k, v in config.items() if (isinstance(v, dict) and "_target_" in v) or not is_plain(v)}
     hparams = {k: v for k, v in config.items() if k not in objects}
-    hparams.update(facts.record.get("hyper_parameters") or {})
-    objects |= set(facts.record.get("objects") or ()) - set(hparams)
+    recorded = facts.record.get("hyper_parameters")
+    recorded, named_code = plain_hyper_parameters(recorded if isinstance(recorded, dict) else {})
+    hparams.update(recorded)
+    listed = facts.record.get("objects")
+    objects |= {str(k) for k in (listed if isinstance(listed, list) else ())
+                if not names_code(str(k), None)} - set(hparams)
     out = {"epoch": checkpoint.get("epoch", 0), "global_step": checkpoint.get("step", 0),
            "pytorch-lightning_version": _lightning_version(), "state_dict": weights, "hyper_parameters": hparams}
     # What the module's on_save_checkpoint added: Lightning keeps it at the top level, where on_load_checkpoint reads.
     added = ((checkpoint.get("callbacks") or {}).get("lightning") or {}).get("module") or {}
     out.update((k, v) for k, v in added.items() if k not in out)
-    return out, sorted(objects)
+    return out, sorted(objects), named_code
 
 
 def _lightning_version() -> str:

@@ -45,8 +45,9 @@ def describe(model: Any) -> dict:
         record["hf_config"] = config
     elif record["kind"] == "lightning":
         hparams = {k: plain_form(v) for k, v in dict(getattr(model, "hparams", {}) or {}).items()}
-        record["hyper_parameters"] = {k: v for k, v in hparams.items() if is_plain(v)}
-        record["objects"] = sorted(k for k, v in hparams.items() if not is_plain(v))
+        kept, _ = plain_hyper_parameters(hparams)
+        record["hyper_parameters"] = kept
+        record["objects"] = sorted(k for k, v in hparams.items() if not is_plain(v) and not names_code(k, v))
     return record
 
 
@@ -83,6 +84,29 @@ def plain_form(value: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+# Keys that name code for a loader to import and call: Hydra's (`_target_`, `_partial_`, ...), Lightning's
+# `_instantiator` (load_from_checkpoint calls it), jsonargparse's `class_path` (LightningCLI's configs).
+_CODE_KEYS = ("_target_", "_instantiator", "class_path")
+
+
+def names_code(key: str, value: Any) -> bool:
+    """Whether hyperparameter `key` (or anything in its value) names code to call: a key of Hydra's `_name_` form or
+    Lightning's private `_...` ones, or a mapping holding one of _CODE_KEYS. Such a value is never exported."""
+    if str(key).startswith("_"):
+        return True
+    if isinstance(value, dict):
+        return any(k in _CODE_KEYS or names_code(k, v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(names_code("", v) for v in value)
+    return False
+
+
+def plain_hyper_parameters(hparams: dict) -> tuple[dict, list[str]]:
+    """(the hyperparameters that are plain data naming no code, the keys left out because they name code)."""
+    kept = {k: v for k, v in hparams.items() if is_plain(v) and not names_code(k, v)}
+    return kept, sorted(k for k, v in hparams.items() if names_code(k, v))
 
 
 def is_plain(value: Any) -> bool:

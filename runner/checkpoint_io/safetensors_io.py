@@ -9,17 +9,15 @@ lm_head.weight is transformer.wte.weight) are written once, as safetensors' `sav
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import sys
 from typing import Iterable, Mapping, Optional
 
 import torch
 
+from runner import files
 from runner.checkpoint_io.base import CheckpointError
-from runner.checkpoint_io.torch_io import fsync_dir
 
 ALIASES_KEY = "aliases"  # metadata: JSON {left-out name: the name written}, for a loader that wants every name back
 
@@ -93,21 +91,9 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_atomic(path: str, chunks: Iterable[bytes | memoryview]) -> None:
-    """Through a temporary file in the target's folder and os.replace: never half a file at `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    """runner.files.write_atomic: never half a file at `path`, never through a link there; a failed write is a
+    CheckpointError."""
     try:
-        with open(tmp, "xb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(err, OSError):
-            raise CheckpointError(f"cannot write {path}: {err}; nothing was replaced") from err
-        raise
-    fsync_dir(directory)
+        files.write_atomic(path, chunks)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {path}: {err}; nothing was replaced") from err

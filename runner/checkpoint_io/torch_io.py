@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from runner.checkpoint_io.base import CheckpointError, CheckpointIO
+from runner.files import fsync_dir
 
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -55,8 +56,16 @@ class TorchCheckpointIO(CheckpointIO):
         except FileNotFoundError as err:
             raise CheckpointError(f"checkpoint not found: {path}") from err
         except Exception as err:
-            advice = ("the file is damaged, truncated or not a checkpoint; use an earlier checkpoint" if _damaged(err)
-                      else "checkpoints must hold only tensors, dicts, lists and numbers")
+            from runner.checkpoint_io.formats import WEIGHTS_ALONE, foreign_format
+
+            # torch reads safetensors itself: its reader's words say so where the header is too damaged to tell
+            foreign = foreign_format(path) or ("a safetensors file" if "deserializing header" in str(err) else None)
+            if foreign:  # neither damaged nor a pickle: another tool's format (that does not even read here)
+                advice = f"it is {foreign}: {WEIGHTS_ALONE}"
+            elif _damaged(err):
+                advice = "the file is damaged, truncated or not a checkpoint; use an earlier checkpoint"
+            else:
+                advice = "checkpoints must hold only tensors, dicts, lists and numbers"
             raise CheckpointError(f"cannot load checkpoint {path}: {_load_reason(err)}; {advice}") from err
         if not isinstance(checkpoint, dict):
             raise CheckpointError(
@@ -185,21 +194,6 @@ def _write_reason(err: BaseException, path: str) -> str:
         return (f"the write failed: the disk is full or a quota was reached ({free / 2**20:.1f} MiB free there; "
                 f"{text})")
     return text
-
-
-def fsync_dir(directory: str) -> None:
-    # The rename survives a power loss only once the directory entry is flushed; some platforms
-    # and filesystems refuse to open or fsync a directory, and the write itself already succeeded.
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _one_line(err: BaseException) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Optional
 
 import torch
@@ -21,10 +22,34 @@ def load_file(io: CheckpointIO, path: Any, trust_unchecked: bool = False) -> dic
     from runner.checkpoint_io.async_io import AsyncCheckpointIO
     from runner.checkpoint_io.torch_io import TorchCheckpointIO
 
+    refuse_special_file(path)
     inner = io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
     if not isinstance(inner, TorchCheckpointIO):
         return io.load_checkpoint(path, map_location="cpu")
     return io.load_checkpoint(path, map_location="cpu", require_checksum=not trust_unchecked)
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def refuse_special_file(path: Any) -> None:
+    """A checkpoint file is a regular file: anything else is refused at once (reading a named pipe waits for a writer
+    that may never come; a device never ends), a folder (not a sharded checkpoint) naming what it is."""
+    from runner.checkpoint_io.formats import WEIGHTS_ALONE, foreign_format
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the load says so
+    if stat.S_ISDIR(mode):  # a sharded checkpoint is read as one before this; any other folder is none
+        foreign = foreign_format(path)
+        raise CheckpointError(f"{path} is {foreign}: {WEIGHTS_ALONE}" if foreign else
+                              f"{path} is a folder, not a checkpoint (a sharded checkpoint holds a .metadata file)")
+    kind = next((name for test, name in _SPECIAL if test(mode)), None)
+    if kind is not None:
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file or folder: reading it could wait forever; "
+                              "name a checkpoint file (.ckpt) or a sharded checkpoint folder")
 
 
 def task_name(task: Any) -> str:

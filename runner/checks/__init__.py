@@ -5,7 +5,7 @@ concern, in the order validate runs them:
   keys        the config's shape: removed groups, keys no schema has (compose runs these too)
   static      plain values in range and of their type, every `_target_` importable
   signatures  each component's settings against its constructor's signature
-  components  devices, backend, precision, a trainable model, compile, the task's settings
+  components  CPU processes, devices, backend, precision, a trainable model, compile, the task's settings
   optimizers  several named optimizers: each trainable parameter in exactly one, a strategy that runs them
   schedule    the data's contract and first batches, the optimizer and the scheduler over the run's steps
   callbacks   callbacks, metrics (and top_k), loggers
@@ -41,6 +41,9 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
         raise ConfigError(problems)
     problems += signatures.check_signatures(cfg)
     if problems:  # building with keys a constructor does not take would only repeat them
+        raise ConfigError(problems)
+    problems += components.check_cpu_processes(cfg)
+    if problems:  # the strategy the checks below build holds one device per process
         raise ConfigError(problems)
     # Each builds what it checks, as the workers will; every problem is reported, in this order.
     for check in (components.check_components, components.check_half_optimizer, components.check_backend,

@@ -32,7 +32,11 @@ def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
         return
     missing = [key for key in ("model", "optimizer", "step") if key not in checkpoint]
     if missing:
-        yield f"trainer.ckpt_path={path} is not a runner checkpoint: it lacks {', '.join(missing)}"
+        from runner.checkpoint_io.formats import WEIGHTS_ALONE, foreign_format
+
+        foreign = foreign_format(path)
+        yield (f"trainer.ckpt_path={path} is not a runner checkpoint: it lacks {', '.join(missing)}"
+               + (f"; it is {foreign}: {WEIGHTS_ALONE}" if foreign else ""))
         return
     per_step = cfg.data.get("batch_size", 1) * processes * cfg.trainer.accumulate_grad_batches
     samples = checkpoint.get("samples_in_epoch", 0)

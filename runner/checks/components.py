@@ -9,6 +9,7 @@ will, to find here what would otherwise fail in every worker.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Iterator
 
 import torch
@@ -49,10 +50,35 @@ def check_components(cfg: DictConfig) -> Iterator[str]:
     start_method = cfg.strategy.get("start_method")
     if start_method is not None and start_method not in ("popen", "spawn", "fork", "forkserver"):
         yield f"strategy.start_method={start_method} is not allowed: use popen, spawn, fork or forkserver"
-    timeout = cfg.strategy.get("timeout")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        yield f"strategy.timeout={timeout} must be a positive number of seconds"
+    from runner.strategies.ddp import stall_timeout_problem, timeout_problem
+
+    yield from filter(None, [timeout_problem(cfg.strategy.timeout) if "timeout" in cfg.strategy else None,
+                             stall_timeout_problem(cfg.strategy.get("stall_timeout"))])
     yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
+
+
+# CPU processes per core this process may use beyond which a run is refused unless insisted on, and the count always
+# allowed (a few processes to try DDP on a laptop): each process imports torch (~0.3 GB) and takes a core's time.
+CPU_PROCESSES_PER_CORE, CPU_PROCESSES_ALLOWED = 4, 8
+
+
+def check_cpu_processes(cfg: DictConfig) -> Iterator[str]:
+    """A CPU process count far beyond the cores this process may use (a typo, devices=1000) would start them all and
+    take a shared machine down before the first one fails: refused unless `trainer.oversubscribe_cpu=true`, before
+    the checks that build the strategy (its devices, one object per process)."""
+    accelerator = build_accelerator(cfg)
+    environment = build_environment(cfg)
+    if accelerator.device_type != "cpu" or environment.creates_processes_externally:
+        return  # GPUs are counted by check_components; torchrun or srun started the processes already
+    processes = len(accelerator.parse_devices(devices_setting(cfg, environment)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = max(CPU_PROCESSES_ALLOWED, CPU_PROCESSES_PER_CORE * cores)
+    if processes <= limit or cfg.trainer.get("oversubscribe_cpu", False):
+        return
+    yield (f"trainer.devices={cfg.trainer.devices} would start {processes} CPU processes, and this process may use "
+           f"{cores} core{'s' if cores > 1 else ''} (os.sched_getaffinity): beyond {limit} they only slow one "
+           f"another and can exhaust the machine's memory; use trainer.devices={cores} (one per core), or insist "
+           "with trainer.oversubscribe_cpu=true")
 
 
 def check_backend(cfg: DictConfig) -> Iterator[str]:

@@ -28,6 +28,14 @@ def group_options(group: str, groups_dir: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
+def not_an_option(group: str, value: str, options: list[str], advice: str = "") -> str:
+    """The one line for a value a config group has no option for, whatever the group (a new one gets it as is):
+    `optimizer=lion is not an option of optimizer: adamw, parts, sgd`, with the closest option and any `advice`."""
+    close = suggest(value, options)
+    said = "; ".join(filter(None, [close.strip(" ()"), advice]))
+    return f"{group}={value} is not an option of {group}: {', '.join(options)}{f' ({said})' if said else ''}"
+
+
 def _field_names(schema: Any) -> list[str]:
     return [f.name for f in fields(schema)]
 
@@ -79,8 +87,7 @@ def check_overrides(overrides: Sequence[str], groups_dir: str) -> list[str]:
         options = group_options(group, groups_dir) if sep and value.strip() == "null" else []
         if options:
             hint = "logger=none logs nothing; " if group == "logger" else ""
-            problems.append(f"{group}=null is not an option of {group}: {hint}choose one of "
-                            f"{', '.join(options)} (~{group} removes the group)")
+            problems.append(not_an_option(group, "null", options, f"{hint}~{group} removes the group"))
     return problems
 
 

@@ -21,7 +21,10 @@ _SEED_LIMIT = 2**63 - 1
 
 def check_trainer(t: DictConfig) -> Iterator[str]:
     devices = t.devices
-    if not (devices == "auto" or (is_int(devices) and (devices >= 1 or devices == -1)) or _is_index_list(devices)):
+    if isinstance(devices, str) and devices != "auto" and devices.strip().lstrip("-").isdigit():
+        yield (f"trainer.devices='{devices}' is a string, not a number (quoted on the command line or in YAML): "
+               f"write trainer.devices={devices.strip()}")
+    elif not (devices == "auto" or (is_int(devices) and (devices >= 1 or devices == -1)) or _is_index_list(devices)):
         yield (f"trainer.devices={devices} is not allowed: use a positive number of devices, -1 or 'auto' "
                "(all devices), or a list of device indices such as [0,1]")
     positive = ("num_nodes", "accumulate_grad_batches", "log_every_n_steps")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Literal, Optional, Union
@@ -57,11 +58,11 @@ class DDPStrategy(Strategy):
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"strategy.start_method={start_method!r} is not one of popen, spawn, fork, forkserver")
-        if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout >= 0):
+        problems = list(filter(None, [timeout_problem(timeout), stall_timeout_problem(stall_timeout)]))
+        if problems:
             from runner.config import ConfigError
 
-            raise ConfigError([f"strategy.stall_timeout={stall_timeout!r} must be a number of seconds (0 or null: "
-                               "no watch)"])
+            raise ConfigError(problems)
         self.parallel_devices = parallel_devices or [torch.device("cpu")]
         self.cluster_environment = cluster_environment or LocalEnvironment()
         self.process_group_backend = process_group_backend
@@ -243,6 +244,21 @@ class DDPStrategy(Strategy):
         self._host_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def timeout_problem(timeout: Any) -> Optional[str]:
+    """What is wrong with `strategy.timeout` (seconds any collective may wait), or None."""
+    if isinstance(timeout, datetime.timedelta) or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                                   and 0 < timeout < math.inf):
+        return None
+    return f"strategy.timeout={timeout} must be a positive number of seconds (a finite one: 1800 is half an hour)"
+
+
+def stall_timeout_problem(stall_timeout: Any) -> Optional[str]:
+    """What is wrong with `strategy.stall_timeout` (seconds a rank may make no progress), or None."""
+    if stall_timeout is None or (isinstance(stall_timeout, (int, float)) and stall_timeout >= 0):
+        return None
+    return f"strategy.stall_timeout={stall_timeout} must be a number of seconds (0 or null: no watch)"
 
 
 def _is_loopback(address: str) -> bool:
