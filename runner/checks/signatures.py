@@ -38,6 +38,14 @@ def parameters(target: Any) -> Optional[dict[str, inspect.Parameter]]:
     return dict(signature.parameters)
 
 
+def _wrapper_takes_any(target: Any) -> bool:
+    """Whether the function called is a wrapper that takes any keyword, whatever the signature it shows (it follows
+    `__wrapped__`): HuggingFace's configs (transformers 5) show their dataclass fields and take any other key."""
+    function = target.__init__ if inspect.isclass(target) else target
+    code = getattr(function, "__code__", None)
+    return hasattr(function, "__wrapped__") and code is not None and bool(code.co_flags & inspect.CO_VARKEYWORDS)
+
+
 def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, ...] = (),
                    kwargs_target: Any = None, kwargs_skip: tuple[str, ...] = ()) -> Iterator[str]:
     """Problems of the settings at `key` (a node with `_target_`) as arguments of that target.
@@ -46,12 +54,13 @@ def check_settings(key: str, node: Any, leading: int = 0, injected: tuple[str, .
     arguments it passes itself. A target taking `**kwargs` accepts any other key, unless `kwargs_target` says
     where they go (DDPStrategy's go to DistributedDataParallel, less `kwargs_skip`).
     """
-    params = parameters(get_method(node._target_))
+    target = get_method(node._target_)
+    params = parameters(target)
     if params is None:
         return
     named = [p for p in params.values() if p.kind in _NAMED][leading:]
     allowed = {p.name: p for p in named if p.name not in injected}
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or _wrapper_takes_any(target)
     if takes_kwargs and kwargs_target is not None:
         forwarded = parameters(kwargs_target) or {}
         allowed.update({n: p for n, p in forwarded.items()
