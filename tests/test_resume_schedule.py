@@ -84,7 +84,7 @@ def test_a_new_schedule_starts_the_configured_one_at_the_checkpoints_step(make_c
     assert metrics["step"] == 8
     # Linear over the 4 steps left: warm-up (k + 1) / 2 for k < 2, then 1 - 0.8 (k - 2) / 2 from the new lr 0.01.
     factor = [0.5, 1.0, 1.0, 0.6, 0.2]  # k = 0 .. 4: steps 5 .. 8 train with k = 0 .. 3
-    assert logged_lrs(resumed) == pytest.approx({4 + k: 0.01 * factor[k] for k in range(1, 5)})
+    assert logged_lrs(resumed) == pytest.approx({4 + k: 0.01 * factor[k - 1] for k in range(1, 5)})
     log = (resumed / "runner.log").read_text()
     assert ("trainer.resume=new_schedule: a new schedule from step 4: linear (end_lr_ratio=0.2, warmup_steps=2) "
             "over the remaining 4 steps, lr 0.01") in log
@@ -104,9 +104,10 @@ def test_a_warmup_on_resume_takes_effect_under_a_new_schedule(make_cfg: MakeCfg,
     runner.fit(make_cfg("optimizer=sgd", "optimizer.lr=0.1", "scheduler=warmup_cosine", "scheduler.warmup_steps=4",
                         "trainer.max_steps=10", "trainer.resume=new_schedule", f"trainer.ckpt_path={last}"),
                run_dir=resumed)
-    # Warm-up over 4 of the 6 steps left, then a half cosine over 2.
+    # Warm-up over 4 of the 6 steps left, then a half cosine over 2; step 4 + k trains with factor[k - 1].
     factor = [0.25, 0.5, 0.75, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 2)), 0.0]
-    assert logged_lrs(resumed) == pytest.approx({4 + k: 0.1 * factor[k] for k in range(1, 7)}, rel=1e-6, abs=1e-9)
+    assert logged_lrs(resumed) == pytest.approx({4 + k: 0.1 * factor[k - 1] for k in range(1, 7)}, rel=1e-6,
+                                                abs=1e-9)
 
 
 def test_a_longer_exact_resume_says_its_schedule_is_replanned(make_cfg: MakeCfg, tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_a_longer_exact_resume_says_its_schedule_is_replanned(make_cfg: MakeCfg,
                         f"trainer.ckpt_path={last}"), run_dir=resumed)
     assert ("trainer.max_steps: the checkpoint's cosine (min_lr_ratio=0.0) was planned over 4 optimizer steps (to "
             "step 4), this run ends at step 8") in (resumed / "runner.log").read_text()
-    assert logged_lrs(resumed)[6] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 6 / 8)))
+    assert logged_lrs(resumed)[6] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 5 / 8)))  # step 6's rate
 
 
 def test_weights_alone_start_a_new_run_from_step_0(make_cfg: MakeCfg, tmp_path: Path) -> None:

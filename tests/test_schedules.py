@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 import runner
-from conftest import read_events
+from conftest import load_checkpoint, read_events
 from runner.config import ConfigError
 from runner.schedulers import cosine, linear, warmup_cosine
 
@@ -57,31 +57,35 @@ def test_cosine_ends_at_its_minimum_whatever_the_number_of_processes(make_cfg: M
     assert metrics["step"] == steps
     logged = lrs(tmp_path)
     assert [step for step, _ in logged] == list(range(1, steps + 1))
-    assert logged[-1][1] == pytest.approx(0.0, abs=1e-9)  # the last step's scheduler step reaches the minimum
-    assert logged[steps // 2 - 1][1] == pytest.approx(LR / 2, rel=1e-5)  # half way: half the rate
+    # Each step logs the rate it trained with: step s at LR x (1 + cos(pi (s - 1) / steps)) / 2, half way half of it.
+    assert logged[-1][1] == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * (steps - 1) / steps)), rel=1e-5)
+    assert logged[steps // 2][1] == pytest.approx(LR / 2, rel=1e-5)
+    last_rate = load_checkpoint(tmp_path)["optimizer"]["param_groups"][0]["lr"]
+    assert last_rate == pytest.approx(0.0, abs=1e-9)  # the last step's scheduler step reaches the minimum
 
 
 def test_warmup_cosine_warms_up_then_ends_at_its_floor(make_cfg: MakeCfg, tmp_path: Path) -> None:
     cfg = make_cfg("scheduler=warmup_cosine", "scheduler.warmup_steps=4", "scheduler.min_lr_ratio=0.1",
                    "optimizer=sgd", f"optimizer.lr={LR}", "trainer.max_steps=12")
     runner.fit(cfg, run_dir=tmp_path)
-    values = [value for _, value in lrs(tmp_path)]  # the rate after each step's scheduler step
-    assert values[:4] == pytest.approx([LR / 2, LR * 3 / 4, LR, LR])
-    assert values[-1] == pytest.approx(LR * 0.1)
+    values = [value for _, value in lrs(tmp_path)]  # the rate each step trained with
+    assert values[:5] == pytest.approx([LR / 4, LR / 2, LR * 3 / 4, LR, LR])
+    assert load_checkpoint(tmp_path)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(LR * 0.1)  # then
 
 
 def test_max_steps_alone_decides_and_says_so(make_cfg: MakeCfg, tmp_path: Path) -> None:
     cfg = make_cfg("trainer.max_steps=100", "trainer.max_epochs=null", "scheduler=linear", "trainer.log_every_n_steps=50")
     metrics = runner.fit(cfg, run_dir=tmp_path)
     assert metrics["step"] == 100 and metrics["epoch"] == 6  # 16 steps an epoch: past the default 5 epochs
-    assert metrics["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert load_checkpoint(tmp_path)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.0, abs=1e-12)
     assert "trainer.max_steps=100 decides the length" in (tmp_path / "runner.log").read_text()
 
 
 def test_a_total_steps_in_the_config_wins(make_cfg: MakeCfg, tmp_path: Path) -> None:
     cfg = make_cfg("scheduler=linear", "+scheduler.total_steps=6", "optimizer=sgd", f"optimizer.lr={LR}",
                    "trainer.max_steps=3")
-    assert runner.fit(cfg, run_dir=tmp_path)["lr"] == pytest.approx(LR / 2)
+    assert runner.fit(cfg, run_dir=tmp_path)["lr"] == pytest.approx(LR * 4 / 6)  # step 3's rate, 2 steps down
+    assert load_checkpoint(tmp_path)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(LR / 2)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
