@@ -86,7 +86,7 @@ class Component:
 @dataclass
 class AutoStrategyConfig:
     _target_: str = "runner.strategies.auto_strategy"
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
+    start_method: str = "forkserver"  # forkserver | popen | spawn | fork
 
 
 @dataclass
@@ -96,7 +96,7 @@ class _ProcessesConfig:
     _target_: str = MISSING
     process_group_backend: Optional[str] = None  # null: nccl on CUDA, gloo on CPU
     timeout: float = 1800  # seconds any collective may wait
-    start_method: str = "popen"  # popen | spawn | fork | forkserver
+    start_method: str = "forkserver"  # forkserver | popen | spawn | fork
     stall_timeout: Optional[float] = 300  # seconds a rank may make no progress; null or 0: not watched
     sync_batchnorm: bool = False  # batch-norm statistics over the global batch instead of each process's share
 

@@ -50,6 +50,14 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def server(pid: int) -> bool:
+    """Whether `pid` is a forkserver (the workers' parent under strategy.start_method=forkserver), not a worker."""
+    try:
+        return b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -94,7 +102,7 @@ def test_sigterm_stops_at_the_next_step_saves_and_names_it(tmp_path: Path, targe
     if target == "parent":
         victim = job.pid
     else:  # one worker alone: the other learns it at the next step, and the job still exits 128 + SIGTERM
-        victim = next(pid for pid in processes_mentioning(str(run_dir)) if pid != job.pid)
+        victim = next(pid for pid in processes_mentioning(str(run_dir)) if pid != job.pid and not server(pid))
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)

@@ -276,8 +276,10 @@ def test_signals_after_the_run_finished_are_no_error_and_hold_the_job_no_longer_
     and the stopped rank held the job until someone sent SIGCONT (the watch ended with the loop)."""
     run_dir = tmp_path / "run"
     start = time.monotonic()
+    # popen workers: the model's exit handlers send the signals, and a forked worker runs none (multiprocessing).
     result = run_cli([*DDP, "model._target_=trust_models.SignalsItselfAtExit", *RANK_FAULT, "trainer.max_steps=2",
-                      "strategy.stall_timeout=5", f"hydra.run.dir={run_dir}"], cwd=TESTS_DIR, timeout=150)
+                      "strategy.stall_timeout=5", "strategy.start_method=popen", f"hydra.run.dir={run_dir}"],
+                     cwd=TESTS_DIR, timeout=150)
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

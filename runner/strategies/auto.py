@@ -19,7 +19,7 @@ def auto_strategy(
     cluster_environment: Optional[ClusterEnvironment] = None,
     checkpoint_io: Optional[CheckpointIO] = None,
     precision: Optional[Precision] = None,
-    start_method: str = "popen",
+    start_method: str = "forkserver",
 ) -> Strategy:
     """`strategy=auto`: one device in one process trains with the single-device strategy, anything more with DDP."""
     devices = parallel_devices or [torch.device("cpu")]

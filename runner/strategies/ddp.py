@@ -50,7 +50,7 @@ class DDPStrategy(Strategy):
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[datetime.timedelta, float, int] = datetime.timedelta(seconds=1800),
-        start_method: StartMethod = "popen",
+        start_method: StartMethod = "forkserver",
         stall_timeout: Optional[float] = 300,
         sync_batchnorm: bool = False,
         **kwargs: Any,

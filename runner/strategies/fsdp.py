@@ -52,7 +52,7 @@ class FSDPStrategy(DDPStrategy):
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[datetime.timedelta, float, int] = datetime.timedelta(seconds=1800),
-        start_method: StartMethod = "popen",
+        start_method: StartMethod = "forkserver",
         shard: Union[str, list[str]] = "auto",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
