@@ -38,6 +38,7 @@ class TrainerConfig:
     compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
     peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
     progress_bar: Any = "auto"  # auto: a bar when the console is a terminal; true: always; false: never
+    num_threads: Any = "auto"  # CPU threads per process; auto: OMP_NUM_THREADS, else usable CPUs / local processes
     data_resume: str = "exact"  # exact: continue the data where the checkpoint stopped; restart: its epoch afresh
     # From ckpt_path: exact (its schedule goes on), new_schedule (the configured one from its step), weights (alone)
     resume: str = "exact"

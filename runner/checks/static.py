@@ -52,6 +52,10 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     bar = t.get("progress_bar", "auto")
     if not (isinstance(bar, bool) or bar == "auto"):  # not `in (True, False)`: 1 == True would pass
         yield f"trainer.progress_bar={t.progress_bar} is not allowed: use auto (a bar on a terminal), true or false"
+    threads = t.get("num_threads", "auto")
+    if not (threads == "auto" or (is_int(threads) and threads >= 1)):
+        yield (f"trainer.num_threads={threads} is not allowed: use auto (OMP_NUM_THREADS when set, else the CPUs this "
+               "process may use divided over the processes on its node) or a positive number of threads per process")
     if t.get("data_resume", "exact") not in ("exact", "restart"):
         yield (f"trainer.data_resume={t.data_resume} is not allowed: use exact (continue the data where the "
                "checkpoint stopped) or restart (its epoch from the first batch)")
