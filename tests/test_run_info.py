@@ -4,6 +4,7 @@ metrics.json and the hyperparameters, and the trainer's progress_bar key."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import runner
 from runner.checks import validate
 from runner.config import ConfigError
 
-from conftest import read_events
+from conftest import compose_config, read_events
 
 MakeCfg = Callable[..., DictConfig]
 
@@ -86,6 +87,18 @@ def test_the_start_line_names_devices_threads_backend_precision_and_world_size(
     content = read_events(tmp_path).PluginTagToContent("hparams")["_hparams_/session_start_info"]
     values = HParamsPluginData.FromString(content).session_start_info.hparams
     assert {k[len("run/"):]: _value(values[k]) for k in values if k.startswith("run/")} == expected
+
+
+def test_the_default_config_runs_without_a_warning_of_the_runners(tmp_path: Path) -> None:
+    """`python -m runner` as a new user first types it (two steps): no warning line, no Python warning raised in
+    the runner's own code."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.fit(compose_config(["trainer.max_steps=2"]), run_dir=tmp_path)
+    runner_dir = Path(runner.__file__).resolve().parent
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if Path(w.filename).resolve().is_relative_to(runner_dir)] == []
+    assert "[WARNING]" not in (tmp_path / "runner.log").read_text()
 
 
 def test_a_test_stage_records_where_it_ran(make_cfg: MakeCfg, tmp_path: Path) -> None:
