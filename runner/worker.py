@@ -37,7 +37,7 @@ from runner.logs import NoFollowFileHandler, apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone, threads_per_process
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
-from runner.loop.progress import loader_length
+from runner.loop.progress import CompileLines, loader_length
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
@@ -211,6 +211,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
                 run_info=info)
     attach_lightning(loop, view)  # the view follows the loop; Lightning's hooks and self.log, where there are any
     heartbeat.attach(beat, loop, compiled=compile_arguments is not None)
+    if compile_arguments is not None:
+        loop.callbacks.by_name[CompileLines.NAME] = CompileLines(compile_arguments)
     stage = cfg.get("stage", "fit")
     if stage != "fit":
         beat.pause()  # an evaluation stage has no steps to watch
