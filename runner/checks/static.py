@@ -38,7 +38,8 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     if t.gradient_clip_val is not None and not 0 < t.gradient_clip_val < math.inf:  # NaN fails both
         yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be a positive number, or null for no clipping"
     if t.keep_last_k is not None and t.keep_last_k < 1:
-        yield f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every step-N.ckpt"
+        yield (f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every periodic "
+               "checkpoint (step-000020.ckpt: the step in 6 digits)")
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:
         yield f"trainer.ckpt_every_n_steps={t.ckpt_every_n_steps} must be a positive integer, or null"
     for key in ("val_check_interval", "limit_train_batches", "limit_val_batches"):
