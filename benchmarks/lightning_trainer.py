@@ -242,6 +242,7 @@ def measure(args: argparse.Namespace, procs: int) -> list[dict]:
     """`args.rounds` rounds of the commands, the order reversed every other round."""
     codes, rounds = variants(args, procs), []
     for index in range(args.rounds):
+        wait_for_quiet(args.wait_load, args.wait_max)
         names = [*codes, "lightning"]
         found = {}
         for name in names if index % 2 == 0 else names[::-1]:
@@ -256,6 +257,14 @@ def measure(args: argparse.Namespace, procs: int) -> list[dict]:
                   f"{name} {found[name]['step_wall_us']:.0f} us/step, {found[name]['startup_s']:.2f} s, "
                   f"{found[name]['whole_s']:.2f} s" for name in codes), flush=True)
     return rounds
+
+
+def wait_for_quiet(below: float, at_most: float) -> None:
+    """Before a round, wait up to `at_most` seconds for the 1-minute load to fall below `below` (0: do not wait):
+    other people's work on a shared machine comes and goes."""
+    deadline = time.monotonic() + at_most
+    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
 
 
 def _cell(values: list[float], digits: int) -> str:
@@ -307,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot", action="append", default=[],
                    help="also time the runner of this folder (runner/ and conf/, e.g. a git archive), repeatable")
     p.add_argument("--fork", action="store_true", help="also the runner with strategy.start_method=fork")
+    p.add_argument("--wait-load", type=float, default=0.0,
+                   help="before each round, wait for the 1-minute load to fall below this (0: do not wait)")
+    p.add_argument("--wait-max", type=float, default=300.0, help="seconds to wait for it at most")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--profile", choices=("runner", "lightning"), default=None)
     p.add_argument("--sort", default="tottime")
