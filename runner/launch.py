@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
 from runner.errors import JobStopped, WorkerFailed
-from runner.processes import PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive
+from runner.processes import PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive, threads_per_process
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -45,8 +45,9 @@ def _forkserver_pid() -> int:
 
 
 @contextlib.contextmanager
-def _worker_environment(num_processes: int, deterministic: bool, scratch: Path, watched: bool) -> Iterator[None]:
-    """Variables the workers inherit, set only around their start and restored afterwards."""
+def _worker_environment(threads: int, deterministic: bool, scratch: Path, watched: bool) -> Iterator[None]:
+    """Variables the workers inherit, set only around their start and restored afterwards; `threads`: each
+    worker's (runner.processes.threads_per_process), in OMP_NUM_THREADS for torch and the libraries it loads."""
     from runner.heartbeat import HEARTBEAT_DIR
     from runner.loopback import loopback_interface
 
@@ -54,9 +55,7 @@ def _worker_environment(num_processes: int, deterministic: bool, scratch: Path, 
     os.environ[WORKER_REGISTRY] = str(scratch / "workers")
     if watched:
         os.environ[HEARTBEAT_DIR] = str(scratch / "beats")
-    if "OMP_NUM_THREADS" not in os.environ:
-        # Workers sharing the cores evenly beat each starting one thread per core.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # popen workers import the experiment code from where the user ran the command.
@@ -128,7 +127,8 @@ class ElasticLauncher:
         watch = StallWatch(scratch / "beats", self.num_processes, self.stall_timeout, run_dir, self.stall_setting) \
             if self.stall_timeout else contextlib.nullcontext()
         try:
-            with _worker_environment(self.num_processes, deterministic, scratch, bool(self.stall_timeout)), \
+            threads = threads_per_process(config.trainer.get("num_threads", "auto"), self.num_processes)
+            with _worker_environment(threads, deterministic, scratch, bool(self.stall_timeout)), \
                     stop.installed(), watch, _quiet_agent():
                 self._run_agent(scratch, run_dir, stop)
         except _AgentFailed as failed:

@@ -1,7 +1,8 @@
 """What the launcher, each worker's first code (runner.entry) and the worker agree on about processes.
 
 The stop signals and how soon a repeat is the same request, where workers register their pids, how a process
-ends with its parent, whether a pid is alive, and how a rank's error reads when another rank's process went away.
+ends with its parent, whether a pid is alive, how a rank's error reads when another rank's process went away, and
+how many threads each process of a node runs.
 Standard library only: every process of a launch imports it first, before torch.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 # The folder where each worker of a launch leaves a file named by its pid: the processes stop signals go to.
 WORKER_REGISTRY = "RUNNER_WORKER_REGISTRY"
@@ -62,3 +64,29 @@ def peer_gone(error: BaseException) -> bool:
     """The error a rank gets when another rank's process went away under a collective: a consequence."""
     text = f"{type(error).__name__}: {error}".lower()
     return isinstance(error, (RuntimeError, OSError)) and any(pattern in text for pattern in PEER_GONE)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a container's or a cluster job's cpuset), and no more than
+    SLURM's cpus-per-task where the job sets it (a node shared by jobs need not pin them to their CPUs)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        cpus = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        cpus = min(cpus, int(slurm))
+    return max(cpus, 1)
+
+
+def threads_per_process(setting: Any, local_processes: int) -> int:
+    """The intra-op threads of each of the `local_processes` processes that share this process's CPUs:
+    `trainer.num_threads` when it is a number; with `auto`, the user's OMP_NUM_THREADS when set, else the usable
+    CPUs divided over the processes (torch's default, a thread per core in every process, oversubscribes a node
+    that several processes or jobs share)."""
+    if setting != "auto":
+        return int(setting)
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    return max(1, usable_cpus() // max(local_processes, 1))

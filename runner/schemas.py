@@ -37,10 +37,11 @@ class TrainerConfig:
     fast_dev_run: Any = False  # true: 1 batch of each loop (train, val, test, predict), no checkpoints, loggers
     max_restarts: int = 0  # restart the job's workers this often after a failure, resuming from last.ckpt
     skip_nonfinite_loss: bool = False  # skip optimizer steps whose gradients are NaN/inf instead of stopping
-    keep_last_k: Optional[int] = None  # keep only the newest k periodic step-N.ckpt files
+    keep_last_k: Optional[int] = None  # keep only the newest k periodic step-000020.ckpt files
     compile: Any = False  # true: torch.compile the model with its loss; or torch.compile's arguments ({mode: ...})
     peak_tflops: Optional[float] = None  # one device's peak TFLOP/s for throughput/mfu; null: the known GPUs' table
     progress_bar: Any = "auto"  # auto: a bar when the console is a terminal; true: always; false: never
+    num_threads: Any = "auto"  # CPU threads per process; auto: OMP_NUM_THREADS, else usable CPUs / local processes
     data_resume: str = "exact"  # exact: continue the data where the checkpoint stopped; restart: its epoch afresh
     # From ckpt_path: exact (its schedule goes on), new_schedule (the configured one from its step), weights (alone)
     resume: str = "exact"

@@ -27,14 +27,15 @@ _STRATEGY_NAMES = {"SingleDeviceStrategy": "single", "DataParallelStrategy": "dp
 
 
 def run_info(strategy: Any, num_nodes: int) -> dict:
-    """What ran where: the device type and name, devices per node, nodes, process-group backend, precision,
-    processes and strategy."""
+    """What ran where: the device type and name, devices per node, nodes, each process's CPU threads,
+    process-group backend, precision, processes and strategy."""
     device = strategy.root_device
     return {
         "accelerator": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "devices_per_node": len(getattr(strategy, "parallel_devices", None) or [device]),
         "num_nodes": num_nodes,
+        "num_threads": torch.get_num_threads(),
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else "none",
         "precision": getattr(strategy.precision, "precision", "32-true"),
         "world_size": strategy.world_size,
@@ -43,12 +44,15 @@ def run_info(strategy: Any, num_nodes: int) -> dict:
 
 
 def run_line(info: dict) -> str:
-    """`devices: 2 × cpu (gloo), precision 32-true, world size 2, strategy ddp`, with the GPU's name on CUDA."""
+    """`devices: 2 × cpu (gloo), 1 thread per process, precision 32-true, world size 2, strategy ddp`, with the GPU's
+    name on CUDA."""
     name = f" {info['device_name']}" if info["accelerator"] == "cuda" else ""
     nodes = f" × {info['num_nodes']} nodes" if info["num_nodes"] > 1 else ""
     backend = "no process group" if info["backend"] == "none" else info["backend"]
-    return (f"devices: {info['devices_per_node']} × {info['accelerator']}{name}{nodes} ({backend}), precision "
-            f"{info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
+    threads = f"{info['num_threads']} thread{'s' if info['num_threads'] != 1 else ''}" + (
+        " per process" if info["world_size"] > 1 else "")
+    return (f"devices: {info['devices_per_node']} × {info['accelerator']}{name}{nodes} ({backend}), {threads}, "
+            f"precision {info['precision']}, world size {info['world_size']}, strategy {info['strategy']}")
 
 
 def record_dir(stage: str, run_dir: Path) -> Path:

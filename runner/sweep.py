@@ -1,5 +1,6 @@
 """Sweeps: each job of `python -m runner -m ...` is a full run; finished jobs are skipped, stopped ones resumed,
-the sweep folder keeps a summary table of every job naming the best, and `direction` reaches the sweeper.
+the sweep folder keeps a summary table of every job (how many passed and failed first, then the best where jobs
+compare), and `direction` reaches the sweeper.
 
 A job's score is its objective's best over its validations when the run records one (metrics.json's `best`),
 else its last value: what the sweeper gets back, and what the summary ranks."""
@@ -67,9 +68,10 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
         return _check_job(cfg, job_dir, sweep_dir, fit)
     digest = config_hash(cfg)
     metrics = finished_metrics(job_dir, digest)
+    smoke = bool(cfg.trainer.get("fast_dev_run"))
     if metrics is not None:
         log.info("job %s finished in an earlier run of this sweep: skipped", job_dir.name)
-        _write_summary(sweep_dir, cfg.objective, cfg.direction)
+        _write_summary(sweep_dir, cfg.objective, cfg.direction, smoke=smoke)
         return metrics
     status: dict[str, Any] = {"status": "running", "config_hash": digest,
                               "resume_hash": config_hash(cfg, ignore_length=True)}
@@ -88,7 +90,7 @@ def run_job(cfg: DictConfig, job_dir: Path, sweep_dir: Path, fit: Callable[..., 
     finally:
         status["wall_time_s"] = round(time.time() - start, 2)
         _write_status(job_dir, status)
-        _write_summary(sweep_dir, cfg.objective, cfg.direction)
+        _write_summary(sweep_dir, cfg.objective, cfg.direction, smoke=smoke)
 
 
 _CHECK_STAGES = ("check", "check_data")
@@ -200,8 +202,29 @@ def _score(row: dict, objective: str) -> Any:
     return row.get(f"{objective} best", row.get(objective))
 
 
+def _counts(rows: list[dict]) -> str:
+    """summary.md's first line for a sweep that trains: how many jobs passed and failed, and the first that failed."""
+    statuses = [r["status"] for r in rows]
+    failed = [r for r in rows if r["status"] == "failed"]
+    others = "".join(f", {statuses.count(s)} {s}" for s in ("stopped", "running") if s in statuses)
+    first = f"; the first failed: job {failed[0]['job']} ({failed[0]['overrides']}): {failed[0]['error']}" if failed else ""
+    return f"{len(rows)} job(s): {statuses.count('ok')} passed, {len(failed)} failed{others}{first}."
+
+
+def _unranked(rows: list[dict], objective: str, smoke: bool) -> Optional[str]:
+    """Why no job is named best, where a best would mislead: one batch of trainer.fast_dev_run, or jobs of different
+    experiments (a nightly `'experiment=glob(*)'`), whose scores do not compare."""
+    if smoke:
+        return f"No best job: trainer.fast_dev_run runs one batch per loop, a smoke test whose {objective} ranks nothing."
+    experiments = {word for r in rows for word in str(r["overrides"]).split() if word.startswith("experiment=")}
+    if len(experiments) > 1:
+        return (f"No best job: the jobs run {len(experiments)} different experiments, whose {objective} values do not "
+                "compare.")
+    return None
+
+
 def _verdict(best: Optional[dict], objective: str, direction: str) -> str:
-    """summary.md's first line: the best job, its score and which value of the job that is."""
+    """summary.md's line on the best job: its score and which value of the job that is."""
     if best is None:
         return f"No finished job has {objective} yet ({direction})."
     overrides = f" ({best['overrides']})" if best["overrides"] else ""
@@ -219,14 +242,17 @@ def _check_verdict(rows: list[dict]) -> str:
     return f"Checked {len(rows)} config(s): {len(rows) - len(failed)} passed, {len(failed)} failed{first}."
 
 
-def _write_summary(sweep_dir: Path, objective: str, direction: str, checking: bool = False) -> None:
+def _write_summary(sweep_dir: Path, objective: str, direction: str, checking: bool = False,
+                   smoke: bool = False) -> None:
     """Rewrite summary.csv and summary.md from every job folder (under a lock: jobs may end in parallel).
-    `checking`: a sweep of stage=check, whose rows say which configs passed and, for the others, the first problem."""
+    `checking`: a sweep of stage=check, whose rows say which configs passed and, for the others, the first problem;
+    `smoke`: a sweep of trainer.fast_dev_run, whose jobs are ranked by nothing."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(files.open_own(sweep_dir / ".summary.lock", os.O_WRONLY), "w") as lock:  # never through a link
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = _job_rows(sweep_dir, objective)
-        best = None if checking else best_job(rows, objective, direction)
+        unranked = None if checking else _unranked(rows, objective, smoke)
+        best = None if checking or unranked else best_job(rows, objective, direction)
         for row in rows:
             row.update({} if checking else {"best": "yes" if row is best else ""})
         columns = list(dict.fromkeys(key for row in rows for key in row))
@@ -237,7 +263,8 @@ def _write_summary(sweep_dir: Path, objective: str, direction: str, checking: bo
         writer.writeheader()
         writer.writerows(rows)
         _replace(sweep_dir / "summary.csv", buffer.getvalue())
-        verdict = _check_verdict(rows) if checking else _verdict(best, objective, direction)
+        verdict = _check_verdict(rows) if checking else \
+            _counts(rows) + "\n" + (unranked or _verdict(best, objective, direction))
         _replace(sweep_dir / "summary.md", verdict + "\n\n" + _markdown(rows, columns))
 
 

@@ -34,11 +34,11 @@ from runner.environments import SLURMEnvironment
 from runner.lightning import TrainerView, is_lightning_config
 from runner.lightning.attach import attach as attach_lightning, setup_module
 from runner.logs import NoFollowFileHandler, apply_job_logging
-from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone
+from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone, threads_per_process
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
+from runner.loop.progress import CompileLines, loader_length
 from runner.loop.stop import ReadCut
-from runner.loop.progress import loader_length
 from runner.tasks import TaskModule
 
 log = logging.getLogger("runner")
@@ -174,6 +174,11 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
 
     cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
     strategy = strategy or build.build_strategy(cfg)
+    threads = torch.get_num_threads()  # a program calling runner.fit() gets its own setting back
+    # The processes that share this one's CPUs: torchrun's and the launcher's workers are told how many; an srun
+    # task has its cpus-per-task to itself.
+    _set_threads(threads_per_process(cfg.trainer.get("num_threads", "auto"),
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     strategy.setup_environment()
     try:
         # Under torchrun every rank ran Hydra on its own; rank 0's run folder and checkpoint are the job's.
@@ -198,6 +203,12 @@ def run(cfg: Any, run_dir: Any, ckpt_path: Any = None, own_logging: bool = True,
         # interpreter is whole. Freed during its shutdown, gloo's threads abort the process (SIGABRT).
         gc.collect()
         strategy.teardown()
+        _set_threads(threads)
+
+
+def _set_threads(count: int) -> None:
+    if torch.get_num_threads() != count:  # a forked worker inherited its parent's pool
+        torch.set_num_threads(count)
 
 
 def _in_one_line(train: Any, strategy: Any, run_dir: Path, workers: Any) -> dict:
@@ -272,6 +283,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
                 run_info=info)
     attach_lightning(loop, view)  # the view follows the loop; Lightning's hooks and self.log, where there are any
     heartbeat.attach(beat, loop, compiled=compile_arguments is not None)
+    if compile_arguments is not None:
+        loop.callbacks.by_name[CompileLines.NAME] = CompileLines(compile_arguments)
     stage = cfg.get("stage", "fit")
     if stage != "fit":
         beat.pause()  # an evaluation stage has no steps to watch
@@ -360,9 +373,6 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
 
     from runner.errors import constructor_failure, is_user_error, user_code_failure
 
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
-        torch.set_num_threads(int(threads))  # a forked worker inherited its parent's pool, one thread per core
     cfg = OmegaConf.load(config_file)
     # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
     stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841

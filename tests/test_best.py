@@ -70,15 +70,16 @@ def test_the_summary_ranks_each_job_by_its_best_validation(tmp_path: Path) -> No
     _job(sweep, "0", 0.1, last=0.9198, best=0.926, step=40)  # early stopping: its last is 2 validations later
     _job(sweep, "1", 0.01, last=0.921, best=0.921, step=60)  # the better last value
     _write_summary(sweep, "val/acc", "maximize")
-    first = (sweep / "summary.md").read_text().splitlines()[0]
-    assert first == ("Best job by val/acc (maximize): 0, val/acc = 0.926, the best of its validations (step 40; "
-                     "last 0.9198) (optimizer.lr=0.1).")
+    counts, best = (sweep / "summary.md").read_text().splitlines()[:2]
+    assert counts == "2 job(s): 2 passed, 0 failed."
+    assert best == ("Best job by val/acc (maximize): 0, val/acc = 0.926, the best of its validations (step 40; "
+                    "last 0.9198) (optimizer.lr=0.1).")
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert [(r["job"], r["val/acc"], r["val/acc best"], r["val/acc best step"], r["best"]) for r in rows] == [
         ("0", "0.9198", "0.926", "40", "yes"), ("1", "0.921", "0.921", "60", "")]
     _write_summary(sweep, "val/acc", "minimize")  # the direction picks among the best values too
-    assert (sweep / "summary.md").read_text().startswith("Best job by val/acc (minimize): 1, val/acc = 0.921, the "
-                                                         "best of its validations")
+    assert (sweep / "summary.md").read_text().splitlines()[1].startswith(
+        "Best job by val/acc (minimize): 1, val/acc = 0.921, the best of its validations")
 
 
 def test_a_job_gives_the_sweeper_its_best_value_where_recorded() -> None:
@@ -136,4 +137,4 @@ def test_a_sweep_under_early_stopping_is_scored_by_each_jobs_best_validation(tmp
     assert found["best_value"] == pytest.approx(best, rel=1e-6)  # what the job gave the sweeper
     assert (f"val/loss = {metrics['best']['value']:.6g}, the best of its validations (step {best_step}; "
             f"last {metrics['val/loss']:.6g})"
-            in (sweep / "summary.md").read_text().splitlines()[0])
+            in (sweep / "summary.md").read_text().splitlines()[1])

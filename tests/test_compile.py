@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,13 @@ def test_compiled_runs_train_what_eager_runs_train(make_cfg: MakeCfg, tmp_path: 
     # The eager backend traces with dynamo and runs the captured graph as is: the plumbing without a compiler.
     compiled = runner.fit(make_cfg(*COMMON, "trainer.compile={backend:eager}"), run_dir=tmp_path / "compiled")
     assert compiled_frames() > before, "dynamo traced nothing: the model was not compiled"
+    log = (tmp_path / "compiled" / "runner.log").read_text()
+    start = log.index("trainer.compile: torch.compile (backend=eager) compiles the model with its loss during the "
+                      "first step, so the first steps are slow")
+    took = re.search(r"trainer.compile: the first step took (\d+\.\d) s, compilation included", log)
+    assert took and start < took.start() < log.index("step 2/4")
+    assert log.count("trainer.compile:") == 2
+    assert "trainer.compile" not in (tmp_path / "eager" / "runner.log").read_text()
     assert compiled["val/loss"] == pytest.approx(eager["val/loss"], abs=1e-6)
     assert compiled["train/loss"] == pytest.approx(eager["train/loss"], abs=1e-6)
     saved, reference = load_checkpoint(tmp_path / "compiled")["model"], load_checkpoint(tmp_path / "eager")["model"]

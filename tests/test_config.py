@@ -144,6 +144,8 @@ def test_cfg_fixture_is_a_tiny_cpu_run(cfg: DictConfig) -> None:
     (["trainer.max_epochs=-1", "trainer.max_steps=-1"], "would train forever"),
     (["trainer.gradient_clip_val=0"], "trainer.gradient_clip_val=0.0 must be a positive number"),
     (["trainer.ckpt_every_n_steps=0"], "trainer.ckpt_every_n_steps=0 must be a positive integer"),
+    (["trainer.keep_last_k=0"], "trainer.keep_last_k=0 must be a positive integer, or null to keep every periodic "
+                                "checkpoint (step-000020.ckpt: the step in 6 digits)"),
     (["trainer.limit_train_batches=1.5"], "trainer.limit_train_batches=1.5 is not allowed"),
     (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 is not allowed"),
     (["trainer.val_check_interval=0.0"], "trainer.val_check_interval=0.0 is not allowed"),

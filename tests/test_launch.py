@@ -16,6 +16,7 @@ import pytest
 
 from _dist import TESTS_DIR, clean_environ, processes_mentioning, run_cli
 from runner.launch import _first_cause
+from runner.processes import usable_cpus
 
 # Run in a fresh interpreter (cwd: tests/, so workers import `faulty`): compose, snapshot os.environ, fit, compare.
 FIT_SCRIPT = """
@@ -55,7 +56,7 @@ def test_worker_environment_and_parent_unchanged(tmp_path: Path, omp: Optional[s
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"changed": [], "step": 1}
     seen = [json.loads((probes / f"env_{rank}.json").read_text()) for rank in (0, 1)]
-    expected_threads = omp or str(max(1, (os.cpu_count() or 1) // 2))
+    expected_threads = omp or str(max(1, usable_cpus() // 2))
     for rank, worker in enumerate(seen):
         assert (worker["RANK"], worker["LOCAL_RANK"], worker["WORLD_SIZE"]) == (str(rank), str(rank), "2")
         assert worker["MASTER_ADDR"] == "127.0.0.1"

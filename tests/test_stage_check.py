@@ -8,12 +8,14 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 import runner
+import runner.testing
 from conftest import REPO, clean_environ, run_main
 from runner.config import ConfigError
 from runner.testing import check_config, config_cases
@@ -146,20 +148,29 @@ def test_a_check_sweep_summarises_which_configs_passed(tmp_path, monkeypatch, ca
     assert (tmp_path / "sweep" / "summary.md").read_text().startswith("Checked 4 config(s): 2 passed, 2 failed")
 
 
-def test_testing_helpers_check_every_experiment_and_option(tmp_path: Path) -> None:
-    (tmp_path / "experiment").mkdir()
-    (tmp_path / "model").mkdir()
-    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nmodel:\n  hidden: 8\n")
-    (tmp_path / "model" / "wide.yaml").write_text("_target_: runner.models.MLP\nin_features: ${data.num_features}\n"
-                                                   "hidden: 64\ndepth: 1\nnum_classes: ${data.num_classes}\n")
-    (tmp_path / "model" / "wrong.yaml").write_text("_target_: runner.models.MLP\nin_features: 3\nhidden: 8\n"
-                                                    "depth: 1\nnum_classes: ${data.num_classes}\n")
-    cases = config_cases(tmp_path)
-    assert [c.id for c in cases] == ["experiment=mine", "model=wide", "model=wrong"]
-    assert check_config(cases[0].values[0], config_dir=tmp_path)["parameters"] > 0
-    assert check_config(cases[1].values[0], config_dir=tmp_path)["trainable"] > 0
+def test_config_cases_check_experiments_and_lone_options_as_the_docs_show(tmp_path: Path, monkeypatch) -> None:
+    """A model made for its own data (3 features) is checked in the experiment that pairs them, not over the default
+    data, where it fails without being wrong; the module's snippet runs as written."""
+    conf = tmp_path / "my_conf"
+    for group in ("experiment", "model", "data", "optimizer"):
+        (conf / group).mkdir(parents=True)
+    (conf / "experiment" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: narrow\n"
+                                                   "  - override /data: narrow\n")
+    (conf / "model" / "narrow.yaml").write_text("_target_: runner.models.MLP\nin_features: 3\nhidden: 8\ndepth: 1\n"
+                                                "num_classes: ${data.num_classes}\n")
+    (conf / "data" / "narrow.yaml").write_text("defaults:\n  - synthetic\n  - _self_\nnum_features: 3\n")
+    (conf / "optimizer" / "slow.yaml").write_text("defaults:\n  - sgd\n  - _self_\nlr: 0.001\n")
+    monkeypatch.chdir(tmp_path)
+    snippet = {}
+    code = [line for line in runner.testing.__doc__.splitlines() if line.startswith("    ") or not line.strip()]
+    exec(textwrap.dedent("\n".join(code)), snippet)
+    cases = snippet["test_config"].pytestmark[0].args[1]
+    assert [c.id for c in cases] == ["experiment=mine", "optimizer=slow"]
+    for case in cases:
+        snippet["test_config"](*case.values)
+    [alone] = config_cases(conf, groups=["model"])  # asked for: each model over the default data
     with pytest.raises(ConfigError, match="model.in_features=3"):
-        check_config(cases[2].values[0], config_dir=tmp_path)
+        check_config(alone.values[0], config_dir=conf)
     assert "experiment=lr_sweep" in [c.id for c in config_cases()]  # the runner's own experiments by default
 
 

@@ -75,6 +75,36 @@ def test_failed_job_is_recorded_and_others_still_run(tmp_path: Path) -> None:
     assert rows["0"]["status"] == "failed" and "data.batch_size" in rows["0"]["error"]
     assert rows["1"]["status"] == "ok"
     assert (sweep / "1" / "metrics.json").exists()
+    assert (sweep / "summary.md").read_text().startswith(
+        "2 job(s): 1 passed, 1 failed; the first failed: job 0 (data.batch_size=0 trainer.max_steps=3 ")
+
+
+def _finished_job(sweep: Path, job: str, status: str, overrides: list[str], loss: float) -> None:
+    (sweep / job / ".hydra").mkdir(parents=True)
+    (sweep / job / ".hydra" / "job_status.json").write_text(json.dumps({"status": status, "error": "boom"}))
+    (sweep / job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (sweep / job / "metrics.json").write_text(json.dumps({"val/loss": loss}))
+
+
+def test_the_summary_opens_with_the_counts_and_ranks_only_jobs_that_compare(tmp_path: Path) -> None:
+    """A nightly `-m 'experiment=glob(*)' trainer.fast_dev_run=true`: how many passed comes first, and no job is
+    named best, neither over one batch nor across experiments."""
+    from runner.sweep import _write_summary
+
+    jobs = {"0": ("ok", "experiment=charlm", 0.2), "1": ("failed", "experiment=digits", 9.0),
+            "2": ("ok", "experiment=shapes", 0.9), "3": ("stopped", "experiment=tiny_bert", 0.5)}
+    for smoke in (True, False):
+        sweep = tmp_path / str(smoke)
+        for job, (status, experiment, loss) in jobs.items():
+            _finished_job(sweep, job, status, [experiment, f"trainer.fast_dev_run={smoke}"], loss)
+        _write_summary(sweep, "val/loss", "minimize", smoke=smoke)
+        lines = (sweep / "summary.md").read_text().splitlines()
+        assert lines[0] == ("4 job(s): 2 passed, 1 failed, 1 stopped; the first failed: job 1 (experiment=digits "
+                            f"trainer.fast_dev_run={smoke}): boom.")
+        assert lines[1] == ("No best job: trainer.fast_dev_run runs one batch per loop, a smoke test whose val/loss "
+                            "ranks nothing." if smoke else
+                            "No best job: the jobs run 4 different experiments, whose val/loss values do not compare.")
+        assert [r["best"] for r in read_summary(sweep)] == ["", "", "", ""]
 
 
 def test_rerunning_a_finished_sweep_trains_nothing(tmp_path: Path) -> None:
@@ -156,8 +186,9 @@ def test_the_summary_names_the_best_job_by_objective_and_direction(tmp_path: Pat
     assert len(set(accuracies.values())) == 2, accuracies  # else any pick would look right
     best = max(accuracies, key=accuracies.get)
     assert [r["job"] for r in rows if r["best"] == "yes"] == [best]
-    first_line = (sweep / "summary.md").read_text().splitlines()[0]
-    assert first_line.startswith(f"Best job by val/acc (maximize): {best}, val/acc = ")
+    counts, best_line = (sweep / "summary.md").read_text().splitlines()[:2]
+    assert counts == "2 job(s): 2 passed, 0 failed."
+    assert best_line.startswith(f"Best job by val/acc (maximize): {best}, val/acc = ")
 
 
 @pytest.mark.parametrize(("direction", "pick"), [("minimize", "1"), ("maximize", "0")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from _dist import TESTS_DIR, assert_ok, clean_environ, run_cli, run_ranks
 from batchnorm_models import BNNet
 from conftest import compose_config
+import runner
 from runner.config import ConfigError
 from runner.strategies import DataParallelStrategy
 from runner.strategies.sync_batchnorm import SyncBatchNorm, convert, warn_per_process
@@ -29,13 +31,17 @@ ONE_X16 = ["strategy=single", "trainer.devices=1", "data.batch_size=16"]
 DDP_2X8 = ["strategy=ddp", "trainer.devices=2", "data.batch_size=8"]
 SYNC = "strategy.sync_batchnorm=true"
 WARNING = "compute their statistics per process"
+RUNNER_DIR = Path(runner.__file__).resolve().parent
 
 
 def _run(run_dir: Path, *args: str) -> dict:
+    """A run's metrics; what its processes printed is kept beside its folder (`<name>.console`), every Python
+    warning shown once per place (PYTHONWARNINGS=default shows DeprecationWarning too)."""
     # Workers import the model from tests/ (PYTHONPATH).
     result = run_cli([*BN_RUN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
-                     env=clean_environ(PYTHONPATH=str(TESTS_DIR)))
+                     env=clean_environ(PYTHONPATH=str(TESTS_DIR), PYTHONWARNINGS="default"))
     assert_ok(result)
+    run_dir.with_name(f"{run_dir.name}.console").write_text(result.stdout + result.stderr)
     return json.loads((run_dir / "metrics.json").read_text())
 
 
@@ -72,6 +78,20 @@ def test_two_processes_with_sync_batchnorm_train_as_one_with_twice_the_batch(run
     _assert_same_weights(_weights(runs["sync"]), _weights(runs["one"]))  # running_mean/var included
     log = (runs["sync"] / "runner.log").read_text()
     assert "strategy.sync_batchnorm=true: 2 batch-norm layer(s) (BatchNorm1d x2)" in log and WARNING not in log
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sync_batchnorm")
+def test_sync_batchnorm_on_two_processes_warns_nothing_from_the_runners_code(runs: dict[str, Path]) -> None:
+    """The layer's collectives and its count raised a FutureWarning and a UserWarning in every process."""
+    console = runs["sync"].with_name("sync.console").read_text()
+    assert from_runner_files(console) == []
+    assert "[WARNING]" not in console
+
+
+def from_runner_files(console: str) -> list[str]:
+    """The lines of `console` that show a Python warning raised at a line of the runner's own code."""
+    return re.findall(rf"^{re.escape(str(RUNNER_DIR))}/\S+:\d+: \w+: .*$", console, flags=re.MULTILINE)
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     if t.gradient_clip_val is not None and not 0 < t.gradient_clip_val < math.inf:  # NaN fails both
         yield f"trainer.gradient_clip_val={t.gradient_clip_val} must be a positive number, or null for no clipping"
     if t.keep_last_k is not None and t.keep_last_k < 1:
-        yield f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every step-N.ckpt"
+        yield (f"trainer.keep_last_k={t.keep_last_k} must be a positive integer, or null to keep every periodic "
+               "checkpoint (step-000020.ckpt: the step in 6 digits)")
     if t.ckpt_every_n_steps is not None and t.ckpt_every_n_steps < 1:
         yield f"trainer.ckpt_every_n_steps={t.ckpt_every_n_steps} must be a positive integer, or null"
     for key in ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches",
@@ -56,6 +57,10 @@ def check_trainer(t: DictConfig) -> Iterator[str]:
     bar = t.get("progress_bar", "auto")
     if not (isinstance(bar, bool) or bar == "auto"):  # not `in (True, False)`: 1 == True would pass
         yield f"trainer.progress_bar={t.progress_bar} is not allowed: use auto (a bar on a terminal), true or false"
+    threads = t.get("num_threads", "auto")
+    if not (threads == "auto" or (is_int(threads) and threads >= 1)):
+        yield (f"trainer.num_threads={threads} is not allowed: use auto (OMP_NUM_THREADS when set, else the CPUs this "
+               "process may use divided over the processes on its node) or a positive number of threads per process")
     if t.get("data_resume", "exact") not in ("exact", "restart"):
         yield (f"trainer.data_resume={t.data_resume} is not allowed: use exact (continue the data where the "
                "checkpoint stopped) or restart (its epoch from the first batch)")

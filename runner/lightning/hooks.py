@@ -38,6 +38,10 @@ class LightningHooks:
         self.started: Optional[int] = None  # the epoch whose on_train_epoch_start ran
         self.ended: Optional[int] = None  # the last epoch whose on_train_epoch_end ran
         self.keeps_step_outputs = self.has("on_train_batch_end")
+        self._votes: Optional[Callable[[], Any]] = None  # the should_stop vote started at the last vote point
+        self._stop_next = False  # some process set should_stop where this one learns it only at the next vote
+        self._stopping = False  # the processes agreed to stop
+        self._vote_device = loop.strategy.root_device
 
     # -- calling hooks ---------------------------------------------------------------------------------------------
     def _methods(self, hook: str) -> list[Callable]:
@@ -120,9 +124,35 @@ class LightningHooks:
             self.loop.scheduler.epoch_end()
 
     def _vote_stop(self, loop: Any) -> None:
-        """`trainer.should_stop` set by some process stops every process after this step."""
-        if loop.strategy.reduce_boolean_decision(bool(self.view.should_stop), all=False):
-            loop.request_stop("trainer.should_stop was set (by the LightningModule or a Lightning callback)")
+        """`trainer.should_stop` set by some process stops every process: after this step where every process set it
+        here (where Lightning stops), else after the next one. A process that did not set it starts the vote and
+        reads it at the next vote point, so that the processes do not wait for one another at every step, which
+        Lightning's loop does not make them do either."""
+        if self._stopping:  # every process decided at the same point: no more votes (the final validation's)
+            return
+        if loop.strategy.world_size == 1:
+            if self.view.should_stop:
+                self._stop(loop)
+            return
+        if self._stop_next or self._read_votes():  # set somewhere at the last vote point
+            self._stop(loop)
+            return
+        mine = bool(self.view.should_stop)
+        votes = loop.strategy.start_all_reduce(torch.tensor(int(mine), device=self._vote_device), reduce_op="sum")
+        if not mine:
+            self._votes = votes
+        elif int(votes()) == loop.strategy.world_size:
+            self._stop(loop)
+        else:  # the others read this vote at their next vote point, and stop there
+            self._stop_next = True
+
+    def _stop(self, loop: Any) -> None:
+        self._stopping = True
+        loop.request_stop("trainer.should_stop was set (by the LightningModule or a Lightning callback)")
+
+    def _read_votes(self) -> int:
+        votes, self._votes = self._votes, None
+        return int(votes()) if votes is not None else 0
 
     def no_loss(self, model: torch.nn.Module) -> torch.Tensor:
         """The loss of a skipped micro-batch: nothing to back-propagate; under DDP a zero that reaches every
@@ -175,6 +205,7 @@ class LightningHooks:
 
     # -- the run's ends and checkpoints ------------------------------------------------------------------------------
     def on_fit_end(self, loop: Any, result: dict) -> None:
+        self._read_votes()  # the last step's: every process started it, and none reads it now
         if self.started is not None and self.ended != self.started:  # a run that stops mid-epoch ends its epoch
             self._end_epoch(self.started, scheduler=False)  # (its last checkpoint is written already)
         self.call("on_train_end")

@@ -177,6 +177,30 @@ def announce(loop: Any) -> None:
                     loop.cfg.max_steps, loop.cfg.max_epochs)
 
 
+class CompileLines:
+    """`trainer.compile`'s two lines, as a callback of the loop: torch.compile compiles during the first step, which
+    on a CPU can take minutes with nothing else said; the second line gives the time once that step has ended, and
+    the callback then leaves the loop."""
+
+    NAME = "compile_lines"
+
+    def __init__(self, arguments: dict) -> None:
+        self.arguments = arguments
+        self._start = 0.0
+
+    def on_fit_start(self, loop: Any) -> None:
+        settings = ", ".join(f"{k}={v}" for k, v in self.arguments.items()) or "its defaults: the inductor backend"
+        log.info("trainer.compile: torch.compile (%s) compiles the model with its loss during the first step, so the "
+                 "first steps are slow (minutes for a large model on a CPU); a new input shape (the first "
+                 "validation, a shorter last batch) compiles again", settings)
+        self._start = time.monotonic()
+
+    def on_train_batch_end(self, loop: Any, outputs: Any, step: int) -> None:
+        log.info("trainer.compile: the first step took %.1f s, compilation included; the next ones run the compiled "
+                 "code", time.monotonic() - self._start)
+        del loop.callbacks.by_name[self.NAME]  # nothing more to say: no call at every step
+
+
 def too_few_batches(loop: Any) -> str:
     """The error when no optimizer step fits in an epoch."""
     return (f"no full global batch per epoch: the training set gives {loop.train.batches} batch(es) of "

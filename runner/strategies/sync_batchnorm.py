@@ -84,20 +84,36 @@ def _channel_shape(input: torch.Tensor) -> list[int]:
     return [1, -1] + [1] * (input.dim() - 2)
 
 
+class _SumOverProcesses(torch.autograd.Function):
+    """`tensor` summed over the processes of `group`; its backward sums every process's gradient of the sum (each
+    process's loss reads it), so each process's input gets the gradient of all their losses."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _global_moments(input: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per channel, the mean and the biased variance of all processes' `input` together, and how many values each
     channel has. Two passes, as one process computes them (no cancellation of E[x^2] - E[x]^2); sums and the count
     travel in float64. The collectives' backward sums every process's gradient of the statistics."""
-    from torch.distributed.nn.functional import all_reduce
-
     x = input if input.dtype in (torch.float32, torch.float64) else input.float()
     dims = [0, *range(2, x.dim())]
     count = torch.tensor([x.numel() // max(x.size(1), 1)], dtype=torch.float64, device=x.device)
-    sums = all_reduce(torch.cat([x.sum(dims).double(), count]), group=group)
-    total = float(sums[-1])
+    sums = _SumOverProcesses.apply(torch.cat([x.sum(dims).double(), count]), group)
+    total = float(sums[-1].detach())  # a count: no gradient flows through it
     mean = (sums[:-1] / total).to(x.dtype)
     squares = ((x - mean.view(_channel_shape(x))) ** 2).sum(dims).double()
-    var = (all_reduce(squares, group=group) / total).to(x.dtype)
+    var = (_SumOverProcesses.apply(squares, group) / total).to(x.dtype)
     return mean, var, total
 
 
