@@ -37,7 +37,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Any = None) -> Any:
     is the one composed, with a warning naming what it shadows; the primary config stays the runner's. Works inside
     another Hydra app or after `hydra.initialize()`.
     """
-    from runner.config import compose as _compose
+    from runner.composition import compose as _compose
 
     return _compose(overrides, config_dir)
 

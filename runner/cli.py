@@ -19,8 +19,8 @@ from omegaconf import DictConfig
 
 from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
-from runner.config import (CONFIG_DIR, CONFIG_MODULE, ConfigError, forget_said_lines, register_configs,
-                           register_resolvers)
+from runner.composition import forget_said_lines, register_configs
+from runner.config import CONFIG_DIR, CONFIG_MODULE, ConfigError, register_resolvers
 from runner.hydra_hooks import (composed_once, linked_log_in_one_line, unknown_options_in_one_line,
                                 write_hydra_records_whole, wrong_types_in_one_line)
 
@@ -216,7 +216,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
 
     from runner import job, sweep
     from runner.errors import stop_message
-    from runner.config import said_lines
+    from runner.composition import said_lines
     from runner.logs import chosen_job_logging, write_to_log_files
 
     write_to_log_files(said_lines())  # said while composing, before this job's runner.log was open

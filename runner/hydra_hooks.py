@@ -140,7 +140,7 @@ def _config_type() -> Any:
 def _defaults_of(repo: Any, config_path: str) -> str:
     """`named in the defaults of my_conf/experiment/mine.yaml`: the user's file that holds `config_path`'s defaults
     list ('' for the runner's and Hydra's own)."""
-    from runner.config import _shown
+    from runner.composition import _shown
 
     source = next((s for s in repo.get_sources() if s.is_config(config_path)), None)
     if source is None or source.provider in ("hydra", "main", "schema"):  # Hydra's own or the runner's: not the user's

@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from runner import run_lock
 from runner.build import build_strategy, handing_over_data
 from runner.checks import validate
-from runner.config import ConfigError, drop_unselected_callbacks, make_unique_dir
+from runner.composition import drop_unselected_callbacks
+from runner.config import ConfigError, make_unique_dir
 from runner.launch import launcher_for, start_forkserver
 from runner.processes import end_with_parent
 from runner.stages import record_dir

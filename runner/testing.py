@@ -54,7 +54,7 @@ def check_config(overrides: Sequence[str] = (), config_dir: Any = None, stage: s
     """Compose `overrides` (with `config_dir`'s groups) and check them as `python -m runner stage=check` does; raise
     the ConfigError that lists every problem, else return what the check learned (parameters, FLOPs per sample,
     bytes per process; see runner.checks.dry_run). `stage="check_data"` also sets up a data module."""
-    from runner.config import compose
+    from runner.composition import compose
     from runner.job import check
 
     cfg = compose([*overrides, f"stage={stage}"], config_dir=config_dir)

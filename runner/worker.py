@@ -31,7 +31,9 @@ from runner.checkpoint_io.model_record import record_model
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
 from runner.data.loaders import worker_died
 from runner.environments import SLURMEnvironment
-from runner.lightning import TrainerView, is_lightning_config
+from runner.lightning import is_lightning_config
+from runner.lightning.detect import is_lightning_module
+from runner.lightning.trainer_view import TrainerView
 from runner.lightning.attach import attach as attach_lightning, setup_module
 from runner.logs import NoFollowFileHandler, apply_job_logging
 from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone, threads_per_process
@@ -280,7 +282,7 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         stages.dev_run_only(callbacks, int(cfg.trainer.fast_dev_run), strategy.is_global_zero)
     loop = Loop(strategy, task, wrapped, optimizer, build.build_scheduler(cfg, optimizer, total_steps), train, val,
                 logger, cfg.trainer, run_dir, stop, hparams, build.build_metrics(cfg, strategy), callbacks,
-                run_info=info)
+                run_info=info, make_scheduler=lambda steps: build.build_scheduler(cfg, optimizer, steps))
     attach_lightning(loop, view)  # the view follows the loop; Lightning's hooks and self.log, where there are any
     heartbeat.attach(beat, loop, compiled=compile_arguments is not None)
     if compile_arguments is not None:
@@ -289,7 +291,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
     if stage != "fit":
         beat.pause()  # an evaluation stage has no steps to watch
     if strategy.is_global_zero:  # once everything is built: a run refused before its loop leaves no trace
-        record_model(model, run_dir)  # model.json: what runner.export --format hf / lightning reads, as data
+        # model.json: what runner.export --format hf / lightning reads, as data
+        record_model(model, run_dir, lightning=is_lightning_module(model))
     ckpt_path = _restart_checkpoint(run_dir) or ckpt_path
     trusted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))  # the pre-launch check said where
     try:

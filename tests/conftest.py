@@ -19,7 +19,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from runner import cli
-from runner.config import register_configs, register_resolvers
+from runner.composition import register_configs
+from runner.config import register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
 # The config groups as the repository keeps them (inside a wheel: runner/conf/).

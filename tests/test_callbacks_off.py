@@ -14,7 +14,8 @@ import yaml
 import runner
 from _dist import assert_ok, run_cli
 from conftest import TINY
-from runner.config import ConfigError, compose
+from runner.composition import compose
+from runner.config import ConfigError
 from runner.checks import validate
 from runner.loop import Progress
 from runner.loop.results import fit_result

@@ -154,7 +154,7 @@ def test_a_lightning_run_exports_a_checkpoint_load_from_checkpoint_reads(tmp_pat
                           f"model._target_=lightning_modules.{cls}", *settings])
     runner.fit(cfg, run_dir=tmp_path / "run")
     if cls == "LitClassifier":
-        assert record_model(build_model(cfg), tmp_path / "run")  # what the run writes when it starts
+        assert record_model(build_model(cfg), tmp_path / "run", lightning=True)  # what the run writes at its start
     target = tmp_path / "lit.ckpt"
     assert export_main([str(tmp_path / "run"), str(target), "--format", "lightning"]) == 0
     loaded = getattr(lightning_modules, cls).load_from_checkpoint(target)  # Lightning's default: weights_only

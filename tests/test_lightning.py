@@ -59,7 +59,7 @@ def test_a_datamodule_dividing_by_world_size_keeps_its_global_batch(tmp_path: Pa
 
 
 def test_the_trainer_view_answers_what_it_lists_and_names_what_it_lacks(tmp_path: Path) -> None:
-    from runner.lightning import TrainerView
+    from runner.lightning.trainer_view import TrainerView
     from runner.strategies import SingleDeviceStrategy
 
     view = TrainerView(_cfg(tmp_path), SingleDeviceStrategy(device=torch.device("cpu")), tmp_path)

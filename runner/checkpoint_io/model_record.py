@@ -22,11 +22,10 @@ FILE = "model.json"
 Kind = Literal["transformers", "lightning", "torch"]
 
 
-def kind_of(model: Any) -> Kind:
-    """transformers for a PreTrainedModel, lightning for a LightningModule, else torch."""
-    from runner.lightning.detect import is_lightning_module
-
-    if is_lightning_module(model):
+def kind_of(model: Any, lightning: bool = False) -> Kind:
+    """transformers for a PreTrainedModel, lightning for a LightningModule (the caller tells: this package never asks
+    the Lightning adapter), else torch."""
+    if lightning:
         return "lightning"
     for cls in type(model).__mro__:
         if cls.__name__ == "PreTrainedModel" and (cls.__module__ or "").startswith("transformers."):
@@ -34,10 +33,11 @@ def kind_of(model: Any) -> Kind:
     return "torch"
 
 
-def describe(model: Any) -> dict:
-    """The record of `model`: `class`, `kind`, and `hf_config` or `hyper_parameters` by its kind."""
+def describe(model: Any, lightning: bool = False) -> dict:
+    """The record of `model`: `class`, `kind`, and `hf_config` or `hyper_parameters` by its kind (`lightning`: it
+    is a LightningModule)."""
     cls = type(model)
-    record: dict = {"class": f"{cls.__module__}.{cls.__qualname__}", "kind": kind_of(model)}
+    record: dict = {"class": f"{cls.__module__}.{cls.__qualname__}", "kind": kind_of(model, lightning)}
     if record["kind"] == "transformers":
         # The config's own JSON form (what save_pretrained writes), with the class save_pretrained names.
         config = json.loads(model.config.to_json_string(use_diff=False))
@@ -51,12 +51,12 @@ def describe(model: Any) -> dict:
     return record
 
 
-def record_model(model: Any, run_dir: str | os.PathLike) -> bool:
+def record_model(model: Any, run_dir: str | os.PathLike, lightning: bool = False) -> bool:
     """Write `<run_dir>/model.json` (global rank 0, once the model is built, before training); False when it could
     not. It never fails the run: without the record only the hf and lightning exports are missing, and a warning
     says why."""
     try:
-        text = json.dumps(describe(model), indent=2, sort_keys=True) + "\n"
+        text = json.dumps(describe(model, lightning), indent=2, sort_keys=True) + "\n"
         write_atomic(os.fspath(Path(run_dir) / FILE), [text.encode()])
     except Exception as err:  # noqa: BLE001 - a model or config this cannot describe must not stop training
         logging.getLogger("runner").warning("%s not written (runner.export --format hf/lightning will lack it): %s",

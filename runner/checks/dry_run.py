@@ -112,7 +112,7 @@ def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
     model and task over two samples. None for a data module unless `with_setup`; its setup reads a trainer view (one
     process, as the check runs)."""
     from runner.data import is_data_module
-    from runner.lightning import TrainerView
+    from runner.lightning.trainer_view import TrainerView
 
     try:
         module = is_data_module(get_method(str(cfg.data._target_)))

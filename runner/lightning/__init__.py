@@ -8,6 +8,6 @@ imports lightning, the runner never does.
 """
 
 from runner.lightning.detect import is_lightning_config
-from runner.lightning.trainer_view import TrainerView, attach_to_data
 
-__all__ = ["TrainerView", "attach_to_data", "is_lightning_config"]
+# The package's face imports nothing heavy (no torch): the command line reads runner.lightning.stock before torch.
+__all__ = ["is_lightning_config"]

@@ -99,7 +99,7 @@ def optimizer_problems(model: Any) -> list[str]:
 
 def callback_problems(key: str, callback: type, lightning_model: bool, stage: str) -> list[str]:
     """Why the runner cannot run the Lightning callback class `callback` configured under `key`."""
-    from runner.checks.keys import lightning_class
+    from runner.lightning.stock import lightning_class
 
     base = stock_base(callback, "Callback")
     if base is not None:

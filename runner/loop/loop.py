@@ -43,12 +43,13 @@ class Loop:
     def __init__(self, strategy: Any, task: Any, wrapped: Any, optimizer: Any, scheduler: Any, train: Any,
                  val: Any, logger: Any, trainer_cfg: Any, run_dir: Path, stop_requested: Callable[[], int],
                  hparams: dict, metrics: Optional[MetricSet] = None, callbacks: Optional[Callbacks] = None,
-                 run_info: Optional[dict] = None) -> None:
+                 run_info: Optional[dict] = None, make_scheduler: Optional[Callable[[int], Any]] = None) -> None:
         self.strategy, self.task, self.wrapped = strategy, task, wrapped  # task: the TaskModule strategies wrap
         self.precision = strategy.precision
         self.optimizer, self.scheduler, self.train, self.val, self.logger = optimizer, scheduler, train, val, logger
         self.cfg, self.run_dir, self.hparams = trainer_cfg, run_dir, hparams
         self.run_info = run_info  # what ran where (runner.stages.run_info): `run` in every stage's metrics.json
+        self.make_scheduler = make_scheduler  # the configured scheduler over N steps (a resume's new schedule)
         self.schedule = s = make_schedule(trainer_cfg, train.batches, loader_length(val) if val is not None else 0)
         self.progress = Progress()
         self.global_batch = train.batch_size * strategy.world_size * s.accumulate

@@ -214,15 +214,12 @@ def _load_scheduler_state(loop: Any, state: dict) -> None:
 
 
 def _built_scheduler(loop: Any, steps: int) -> Any:
-    """The configured scheduler over `steps` optimizer steps, built as the worker builds it."""
-    from omegaconf import OmegaConf
-
-    from runner.build import build_scheduler
-
-    node = OmegaConf.create({"scheduler": {"_partial_": True}})
-    for key, value in configured(loop.hparams).items():
-        OmegaConf.update(node, f"scheduler.{key}", value, force_add=True)
-    return build_scheduler(node, loop.optimizer, steps)
+    """The configured scheduler over `steps` optimizer steps, built as the worker builds it (the worker hands the
+    loop its builder: the loop never calls the builders itself)."""
+    if loop.make_scheduler is None:
+        raise ConfigError(["trainer.resume: this loop was given no way to build its scheduler again (Loop's "
+                           "make_scheduler), which a schedule started at another step needs"])
+    return loop.make_scheduler(steps)
 
 
 def _use_scheduler(loop: Any, scheduler: Any) -> None:
