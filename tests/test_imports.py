@@ -109,6 +109,42 @@ def test_no_import_cycle_in_the_runner() -> None:
         for component in found)
 
 
+def package_graph(graph: dict[str, set[str]], package: Path) -> dict[str, set[str]]:
+    """The import graph with each subpackage of `package` (a layer of the house: checks, data, loop, ...) as one
+    node beside the top-level modules."""
+    def node(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and (package / parts[1]).is_dir() else module
+
+    folded: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        folded.setdefault(node(module), set()).update(node(t) for t in targets if node(t) != node(module))
+    return folded
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    """Each package is a layer: one that imports a module of another, which imports it back, runs back up a layer
+    (a check calling back into the builder, the loop into the builder that made it)."""
+    graph = import_graph(PACKAGE)
+    folded = package_graph(graph, PACKAGE)
+    found = cycles(folded)
+    assert not found, "layers that import each other: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_layers_that_import_each_other_are_found(tmp_path: Path) -> None:
+    """The check itself: two packages whose modules import each other (no module cycle) are one."""
+    package = tmp_path / "pkg"
+    for sub in ("low", "high"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "high" / "a.py").write_text("from pkg.low import b\n")
+    (package / "low" / "b.py").write_text("x = 1\n")
+    (package / "low" / "c.py").write_text("def f():\n    from pkg.high import a\n")
+    graph = import_graph(package)
+    assert cycles(graph) == [] and cycles(package_graph(graph, package)) == [["pkg.high", "pkg.low"]]
+
+
 def test_strategies_do_not_know_how_processes_are_created() -> None:
     """A strategy names the processes it needs (`Strategy.processes`); the job picks the launcher."""
     graph = import_graph(PACKAGE)
