@@ -32,9 +32,18 @@ FORKSERVER_PRELOAD = ["runner.entry", "runner.worker"]
 def start_forkserver() -> None:
     """Start this process's forkserver, its imports with it, if it is not running (it serves every later job)."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    # The server shares a resource tracker with this process, which at its exit lists the semaphores of the workers'
+    # loader queues that a killed worker left (and cleans them up): said without a warning, the job's error stands
+    # alone. The tracker takes this interpreter's warning options as it starts.
+    options = list(sys.warnoptions)
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions[:] = options
     forkserver.ensure_running()
 
 
@@ -211,9 +220,10 @@ class _AgentFailed(Exception):
 def _quiet_agent() -> Iterator[None]:
     """The agent's own log lines repeat what WorkerFailed and JobStopped report (rank, exit code, traceback,
     signal); torch sets a level on each of its modules' loggers, so each is quietened."""
-    elastic_logs = [logging.getLogger("torch.distributed.elastic")] + [
+    # torch.multiprocessing's too: it warns of each worker it terminates after another failed (fork, forkserver).
+    elastic_logs = [logging.getLogger("torch.distributed.elastic"), logging.getLogger("torch.multiprocessing")] + [
         logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-        if name.startswith("torch.distributed.elastic.")]
+        if name.startswith(("torch.distributed.elastic.", "torch.multiprocessing."))]
     levels = [logger.level for logger in elastic_logs]
     for logger in elastic_logs:
         logger.setLevel(logging.CRITICAL)

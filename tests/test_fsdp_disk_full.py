@@ -50,8 +50,9 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoin
     errors = [line for line in done.stderr.splitlines() if line and not line.startswith("[")]  # not the log lines
     # Whichever rank reported first names the other after the message.
     first, other = ("0", "1") if errors and errors[0].startswith("error: rank 0: ") else ("1", "0")
-    assert len(errors) == 2 and errors[0].startswith(f"error: rank {first}: "), console
-    assert errors[1] == f"then rank {other}: the same", console
+    assert errors[0].startswith(f"error: rank {first}: "), console
+    # The other rank met the same error, unless the launcher stopped it first (then it is no cause of its own).
+    assert errors[1:] in ([], [f"then rank {other}: the same"]), console
     assert re.fullmatch(
         re.escape(f"error: rank {first}: cannot write sharded checkpoint {mount}/run/checkpoints/last.ckpt: the disk is "
                   "full or a quota was reached (") + r"0\.\d MiB" + re.escape(

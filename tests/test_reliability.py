@@ -50,12 +50,27 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def server(pid: int) -> bool:
-    """Whether `pid` is a forkserver (the workers' parent under strategy.start_method=forkserver), not a worker."""
+def worker_pids(run_dir: Path, launcher: int) -> list[int]:
+    """The job's worker processes (no loader workers here): those of its processes that are no other's parent, less
+    the launcher and multiprocessing's resource tracker (under strategy.start_method=forkserver the workers are the
+    children of a server that shares their command line)."""
+    found = [pid for pid in processes_mentioning(str(run_dir)) if pid != launcher]
+    parents = {_parent(pid) for pid in found}
+    return [pid for pid in found if pid not in parents and b"resource_tracker import" not in _command(pid)]
+
+
+def _parent(pid: int) -> int:
     try:
-        return b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError):
+        return -1
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
+        return b""
 
 
 def wait_for(predicate, timeout: float) -> bool:
@@ -102,7 +117,7 @@ def test_sigterm_stops_at_the_next_step_saves_and_names_it(tmp_path: Path, targe
     if target == "parent":
         victim = job.pid
     else:  # one worker alone: the other learns it at the next step, and the job still exits 128 + SIGTERM
-        victim = next(pid for pid in processes_mentioning(str(run_dir)) if pid != job.pid and not server(pid))
+        victim = worker_pids(run_dir, job.pid)[0]
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_reliability import DDP2, TINY, env, processes_mentioning, server, start, wait_for
+from test_reliability import DDP2, TINY, env, processes_mentioning, start, wait_for, worker_pids
 
 # 1 s per evaluation batch; 512 test samples in batches of 16: a 16 s test on each of 2 processes.
 SLOW_TEST = ("model._target_=faulty_more.SlowEval", "+model.delay=1.0", "data.val_samples=16",
@@ -31,8 +31,7 @@ def test_sigterm_during_the_test_after_training_stops_it_at_the_next_batch(tmp_p
     job = start(run_dir, *DDP2, *TINY, *SLOW_TEST, cwd=tmp_path)
     assert wait_for(lambda: _testing(run_dir), 90), job.communicate(timeout=5)
     time.sleep(1.5)
-    victim = job.pid if target == "parent" else max(p for p in processes_mentioning(str(run_dir))
-                                                    if p != job.pid and not server(p))
+    victim = job.pid if target == "parent" else max(worker_pids(run_dir, job.pid))
     started = time.monotonic()
     os.kill(victim, signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)
