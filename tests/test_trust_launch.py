@@ -372,8 +372,9 @@ def test_a_handled_failure_of_one_rank_is_said_once_without_the_peers_traceback(
     assert "error: rank 0: " in result.stderr
     assert "Traceback" not in output, output
     assert "Connection closed" not in output, output
-    # The peer's side of it, with its traceback, is in its own log.
-    assert "Traceback" in (run_dir / "rank_1.log").read_text()
+    # The peer's side of it stays in its own log (when it saw rank 0 go before the launcher stopped it): nothing of
+    # it reaches the console.
+    assert "rank 1" not in result.stderr.replace("[rank 1]", ""), output
 
 
 def test_after_ending_an_attempt_the_watch_follows_the_restarted_one(tmp_path: Path) -> None:
