@@ -34,7 +34,18 @@ _IMPORTED_IN = dict(os.environ)
 
 
 def _take_launch_context(context: dict) -> None:
-    """The launcher's environment, folder and import path at the launch, the agent's variables for this rank kept."""
+    """The launcher's environment, folder and import path at the launch, the agent's variables for this rank kept.
+
+    And the end of the server with the launcher: the server lives while any process holds its liveness pipe, which
+    multiprocessing hands every worker too; a worker that kept it would keep the server alive after a launcher
+    killed by SIGKILL, and the server, its parent, would never send it the signal that ends it with its parent."""
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     agent = {key: value for key, value in os.environ.items() if _IMPORTED_IN.get(key) != value}
     os.environ.clear()
     os.environ.update({**context["env"], **agent})

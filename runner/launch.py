@@ -41,10 +41,28 @@ def start_forkserver() -> None:
     options = list(sys.warnoptions)
     sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
     try:
-        resource_tracker.ensure_running()
+        with _helpers_ignore_the_terminal():
+            resource_tracker.ensure_running()
+            forkserver.ensure_running()
     finally:
         sys.warnoptions[:] = options
-    forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _helpers_ignore_the_terminal() -> Iterator[None]:
+    """SIGTERM and SIGHUP ignored while multiprocessing's helpers (the forkserver, the resource tracker) start: they
+    keep it through their exec, so a signal to the terminal's whole group (a closed terminal, `kill -- -PGID`)
+    reaches the launcher and the workers, which stop and save, and not the helpers they need meanwhile. A worker
+    takes its own handlers as it starts (runner.entry)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _forkserver_pid() -> int:

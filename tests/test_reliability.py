@@ -385,7 +385,7 @@ def test_slurm_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(tmp_pat
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242-0"]
 
 
-@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+@pytest.mark.parametrize("start_method", ["popen", "spawn", "forkserver"])
 def test_workers_end_when_the_parent_is_killed(tmp_path: Path, start_method: str) -> None:
     run_dir = tmp_path / "run"
     job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.Slow", "trainer.max_steps=100000",
