@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
 from runner.errors import JobStopped, WorkerFailed
-from runner.processes import PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive, threads_per_process
+from runner.processes import (FOLLOWS_ANOTHER, PEER_GONE, SAME_REQUEST_S, STOP_SIGNALS, WORKER_REGISTRY, alive,
+                              threads_per_process)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -350,7 +351,7 @@ def _consequence(failure: object) -> bool:
     trace = _trace(failure)
     if trace is None:  # on the first failure the agent SIGTERMs the others, and lists them as failed too
         return getattr(failure, "exitcode", None) == -signal.SIGTERM
-    return any(pattern in trace.lower() for pattern in PEER_GONE)
+    return any(pattern in trace.lower() for pattern in PEER_GONE) or FOLLOWS_ANOTHER in trace
 
 
 def _trace(failure: object) -> str | None:

@@ -23,6 +23,9 @@ SAME_REQUEST_S = 0.2
 # What a rank raises when another rank's process went away under a collective: a consequence, not a cause.
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
              "remote process exited")
+# How a rank's own error says it only follows another rank's (a data hook that failed on local rank 0): the
+# launcher names the rank where it failed, not this one.
+FOLLOWS_ANOTHER = "that process's log has the error"
 
 
 def end_with_parent() -> None:

@@ -76,12 +76,8 @@ def overrides(case: Case, processes: int, signal: bool = True) -> list[str]:
     args = ["experiment=oracle", f"data._target_=exactness_data.{target}", f"data.kind={case.kind}",
             f"data.batch_size={batch}", f"data.num_workers={case.workers}",
             f"trainer.accumulate_grad_batches={case.accumulate}", f"model.batchnorm={case.batchnorm}"]
-    if processes > 1:
-        # Forked from this process (torch imported already): a second each, where a fresh interpreter costs three.
-        # HuggingFace's reading (pyarrow's threads) is not fork-safe: those start fresh.
-        start = "popen" if case.kind == "hf" else "fork"
-        args += ["strategy=ddp", f"trainer.devices={processes}", f"strategy.start_method={start}",
-                 f"strategy.sync_batchnorm={case.batchnorm}"]
+    if processes > 1:  # workers forked from this test process's forkserver (the default): torch imported once
+        args += ["strategy=ddp", f"trainer.devices={processes}", f"strategy.sync_batchnorm={case.batchnorm}"]
     if signal and case.stop_at:
         args += [f"+model.signal_at={case.stop_at * case.accumulate}", f"+model.signal_rank={case.stop_rank}"]
     return args

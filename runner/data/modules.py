@@ -68,6 +68,7 @@ def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: boo
     """Call `prepare_data` in one process per node (or of the job, `per_node` False) while the others wait; a
     failure there ends every process (the others with a line that points to it)."""
     from runner.errors import HookFailed, WorkerFailed, call_hook
+    from runner.processes import FOLLOWS_ANOTHER
 
     chosen = strategy is None or (strategy.local_rank if per_node else strategy.global_rank) == 0
     where = "local rank 0 of a node" if per_node else "global rank 0"
@@ -83,8 +84,7 @@ def _once_per_node(prepare_data: Callable[[], Any], strategy: Any, per_node: boo
     if error is not None:
         raise error
     if failed:  # a consequence, said without a traceback: the launcher reports the cause
-        raise WorkerFailed(strategy.global_rank, f"data.prepare_data() failed on {where}; that process's log has "
-                                                 "the error")
+        raise WorkerFailed(strategy.global_rank, f"data.prepare_data() failed on {where}; {FOLLOWS_ANOTHER}")
 
 
 _PLAIN_SAMPLERS = (RandomSampler, SequentialSampler)  # what DataLoader(shuffle=True/False) makes itself
