@@ -6,6 +6,7 @@ import _thread
 import contextlib
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import re
@@ -64,6 +65,15 @@ def _helpers_ignore_the_terminal() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stopped(run_dir: Path) -> bool:
+    """Whether the job the workers ended is unfinished (its metrics.json records the stop signal): a signal that
+    came once every step was taken stopped nothing (runner.loop.results), and the job ended as complete."""
+    try:
+        return bool(json.loads((run_dir / "metrics.json").read_text()).get("stop_signal"))
+    except (OSError, ValueError, AttributeError):
+        return True  # no record of a complete run: stopped
 
 
 def _forkserver_pid() -> int:
@@ -170,7 +180,7 @@ class ElasticLauncher:
             raise failed.error from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        if stop.signum:  # the workers stopped at a step, saved and returned
+        if stop.signum and _stopped(run_dir):  # the workers stopped at a step, saved and returned
             raise JobStopped(stop.signum, run_dir)
 
     def _run_agent(self, scratch: Path, run_dir: Path, stop: "_StopForwarder") -> None:

@@ -67,6 +67,23 @@ class Slow(_Linear):
             time.sleep(self.stall)
 
 
+class SlowFinalValidation(_Linear):
+    """A linear classifier whose validation after its `steps`-th training call touches `marker` (the test's cue),
+    then takes `delay` seconds a batch."""
+
+    def __init__(self, marker: str = "", steps: int = 2, delay: float = 0.5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.marker, self.steps, self.delay, self.trained = marker, steps, delay, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            self.trained += self.training
+            if not self.training and self.trained >= self.steps:
+                Path(self.marker).touch()
+                time.sleep(self.delay)
+        return self.linear(x)
+
+
 class _NaNGradient(torch.autograd.Function):
     """The identity forward; NaN gradients backward."""
 

@@ -428,3 +428,19 @@ def test_a_stop_signal_goes_to_the_workers_not_to_other_children_of_the_program(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(helper, signal.SIGKILL)
+
+
+def test_a_signal_in_the_final_validation_ends_a_complete_job_with_exit_0(tmp_path: Path) -> None:
+    """SIGTERM to the launcher while the workers ran the final validation (every step taken): the launcher reported
+    the job as stopped (exit 143, `resume with ...`) though its workers said there was nothing to resume, and their
+    line said that the validation had run though the signal cut it."""
+    run_dir, marker = tmp_path / "run", tmp_path / "validating"
+    job = start(run_dir, *DDP2, *TINY, "model._target_=reliability_models.SlowFinalValidation",
+                f"+model.marker={marker}", "+model.steps=2", "trainer.max_steps=2", cwd=tmp_path)
+    assert wait_for(marker.exists, 90), job.communicate(timeout=5)
+    os.kill(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 0, stderr
+    assert ("SIGTERM came after the last step (2): the run is complete, nothing to resume; the final validation was "
+            "skipped") in (run_dir / "runner.log").read_text()
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["validation_due"] is True

@@ -198,8 +198,11 @@ class Loop:
             return
         start = time.perf_counter()
         metrics = self.evaluate("val", self.val, self.schedule.val_batches)
-        self.last_val_step = self.progress.step
         signalled = metrics.pop("stop_signal", 0)  # stopped partway: nothing for callbacks to rank or stop on
+        if signalled:  # cut short: the checkpoint says it is due, and a resumed run runs it first
+            self.validation_due = self.progress.step
+        else:
+            self.last_val_step = self.progress.step
         self._signalled = self._signalled or signalled
         if metrics and not signalled:
             try:
