@@ -36,7 +36,7 @@ from runner.lightning.detect import is_lightning_module
 from runner.lightning.trainer_view import TrainerView
 from runner.lightning.attach import attach as attach_lightning, setup_module
 from runner.logs import NoFollowFileHandler, apply_job_logging
-from runner.processes import SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone, threads_per_process
+from runner.processes import FOLLOWS_ANOTHER, SAME_REQUEST_S, STOP_SIGNALS, alive, peer_gone, threads_per_process
 from runner.loggers.tracking import flatten
 from runner.loop import Loop, make_schedule
 from runner.loop.progress import CompileLines, loader_length
@@ -58,6 +58,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 # How long a stop signal waits for a read of the training data to finish (a slow batch) before it cuts the read.
 READ_WAIT_S = 5.0
+# How long a rank that failed only because another did waits before it exits, so that the other reports first.
+CONSEQUENCE_WAIT_S = 2.0
 
 
 class StopRequest:
@@ -391,6 +393,10 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
         # another one go away keeps its side of it, with the traceback, in its log.
         _log_to_file(error, with_traceback=consequence)
         _report_to_launcher(error)
+        if consequence or FOLLOWS_ANOTHER in str(error):
+            # The rank whose failure this follows reports its own now: the launcher ends this one when that one
+            # ends, rather than take this report, in the other's words, for the cause.
+            time.sleep(CONSEQUENCE_WAIT_S)
         sys.exit(1)
     finally:
         if os.getppid() != parent:
