@@ -24,7 +24,10 @@ def _fails_in_one_line(run_dir: Path, args: tuple, cwd: Path) -> str:
     assert job.returncode == 1, stderr
     assert "Traceback" not in stderr and "Error executing job" not in stderr, stderr
     assert not (run_dir / "metrics.json").exists()
-    assert "Traceback" in (run_dir / "runner.log").read_text()  # for the code's author
+    # For the code's author, in the log of the rank that failed (rank 0's is runner.log).
+    rank = re.search(r"^error: rank (\d+): ", stderr, re.MULTILINE)
+    log = f"rank_{rank.group(1)}.log" if rank and rank.group(1) != "0" else "runner.log"
+    assert "Traceback" in (run_dir / log).read_text(), log
     return stderr
 
 
