@@ -219,18 +219,27 @@ class _Endless(IterableDataset):
 
 class OracleNet(nn.Module):
     """Linear → (BatchNorm) → tanh → linear, in float64 under precision=64-true. `signal_at`: the training forward
-    (micro-batch) after which rank `signal_rank` sends itself SIGTERM (0: never)."""
+    (micro-batch) after which rank `signal_rank` sends itself SIGTERM (0: never); `val_signal_at`: the validation
+    forward after which it does."""
 
-    def __init__(self, hidden: int = 8, batchnorm: bool = False, signal_at: int = 0, signal_rank: int = 0) -> None:
+    def __init__(self, hidden: int = 8, batchnorm: bool = False, signal_at: int = 0, signal_rank: int = 0,
+                 val_signal_at: int = 0) -> None:
         super().__init__()
         layers = [nn.Linear(FEATURES, hidden), *([nn.BatchNorm1d(hidden)] if batchnorm else []), nn.Tanh(),
                   nn.Linear(hidden, CLASSES)]
         self.net = nn.Sequential(*layers)
         self.signal_at, self.signal_rank, self.calls = signal_at, signal_rank, 0
+        self.val_signal_at, self.val_calls = val_signal_at, 0  # the same, counting validation forward passes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.signal_at and self.training and x.device.type != "meta":
+        if x.device.type != "meta" and self.training and self.signal_at:
             self.calls += 1
-            if self.calls == self.signal_at and int(os.environ.get("RANK", "0")) == self.signal_rank:
-                os.kill(os.getpid(), signal.SIGTERM)
+            self._signal_if(self.calls == self.signal_at)
+        elif x.device.type != "meta" and not self.training and self.val_signal_at:
+            self.val_calls += 1
+            self._signal_if(self.val_calls == self.val_signal_at)
         return self.net(x)
+
+    def _signal_if(self, due: bool) -> None:
+        if due and int(os.environ.get("RANK", "0")) == self.signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)

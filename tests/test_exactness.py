@@ -31,6 +31,7 @@ import runner
 import runner.worker
 from runner.config import ConfigError
 from runner.errors import JobStopped, is_user_error
+from runner.loop.stop import MAX_INTERVAL, PROBE_STEPS
 
 from exactness_data import KINDS, LOADER_KINDS
 
@@ -139,9 +140,9 @@ def assert_same(run_dir: Path, reference: Path, stop_at: int = 0) -> None:
         assert difference <= TOLERANCE, f"{name} differs by {difference:.3g}"
     rows, expected = _rows(run_dir), _rows(reference)
     # A stopped run logs its last steps' window where it stopped (the signal's step or, agreed over processes, one
-    # of the next two); the resume carries the window on from there.
+    # of the next MAX_INTERVAL + 1: runner.loop.stop); the resume carries the window on from there.
     extra = set(rows) - set(expected)
-    assert len(extra) <= 1 and extra <= {stop_at, stop_at + 1, stop_at + 2}, (
+    assert len(extra) <= 1 and extra <= set(range(stop_at, stop_at + MAX_INTERVAL + 2)), (
         f"logged at steps {sorted(rows)}, expected {sorted(expected)}")
     for step, values in expected.items():
         assert step in rows, f"nothing logged at step {step}"
@@ -164,7 +165,7 @@ def drawn_cases(count: int, seed: int) -> list[Case]:
         processes, accumulate = rng.choice((1, 2, 3)), rng.choice((1, 2))
         case = Case(kind, processes, rng.choice((0, 2)), accumulate, batchnorm=rng.random() < 0.3)
         if rng.random() < 0.6:
-            stop_at = rng.randrange(1, STEPS - 2)  # the processes agree on a stop within two steps
+            stop_at = rng.randrange(1, STEPS - 2)  # the first steps vote every step: a stop within two steps
             case = replace(case, stop_at=stop_at, stop_rank=rng.randrange(processes),
                            resume_on=rng.choice((1, 2, 3)))
         cases.append(case)
@@ -192,6 +193,29 @@ NAMED = [
 @pytest.mark.parametrize("case", [*NAMED, *drawn_cases(ORACLE_DRAWS, ORACLE_SEED)], ids=str)
 def test_every_drawn_combination_trains_what_one_process_trains(case: Case, tmp_path: Path, reference: Any) -> None:
     _run_against_reference(case, tmp_path, reference)
+
+
+def test_a_validation_cut_by_a_stop_signal_runs_again_first_on_resume(tmp_path: Path, reference: Any) -> None:
+    """SIGTERM in the first validation (step 4, after its first batch): the run stops at step 4 unvalidated, and the
+    resumed run validates step 4 before its next step, as the reference did."""
+    stopped = fit([*overrides(Case(), 1), "+model.val_signal_at=1"], tmp_path / "run")
+    assert stopped.get("stop_signal") == signal.SIGTERM and stopped["step"] == 4, stopped
+    fit([*overrides(Case(), 1, signal=False), "trainer.ckpt_path=last"], tmp_path / "run")
+    assert_same(tmp_path / "run", reference(Case()), stop_at=4)
+
+
+@pytest.mark.slow
+def test_a_stop_once_the_votes_are_steps_apart_stops_every_process_at_one_step(tmp_path: Path) -> None:
+    """Past their first steps the processes vote every few steps (runner.loop.stop): a SIGTERM on rank 1 then still
+    stops both at one step, at most MAX_INTERVAL + 1 later, saved, and the resumed run is the one-process run."""
+    longer, signal_at = ["trainer.max_steps=40"], PROBE_STEPS + 8
+    fit([*overrides(Case(), 1), *longer], tmp_path / "reference")
+    case = Case(processes=2, stop_at=signal_at, stop_rank=1, resume_on=2)
+    stopped = fit([*overrides(case, 2), *longer], tmp_path / "run")
+    assert stopped.get("stop_signal") == signal.SIGTERM, stopped
+    assert signal_at <= stopped["step"] <= signal_at + MAX_INTERVAL + 1
+    fit([*overrides(case, 2, signal=False), *longer, "trainer.ckpt_path=last"], tmp_path / "run")
+    assert_same(tmp_path / "run", tmp_path / "reference", stop_at=signal_at)
 
 
 @pytest.mark.nightly

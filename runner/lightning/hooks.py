@@ -38,10 +38,9 @@ class LightningHooks:
         self.started: Optional[int] = None  # the epoch whose on_train_epoch_start ran
         self.ended: Optional[int] = None  # the last epoch whose on_train_epoch_end ran
         self.keeps_step_outputs = self.has("on_train_batch_end")
-        self._votes: Optional[Callable[[], Any]] = None  # the should_stop vote started at the last vote point
-        self._stop_next = False  # some process set should_stop where this one learns it only at the next vote
-        self._stopping = False  # the processes agreed to stop
-        self._vote_device = loop.strategy.root_device
+        # `trainer.should_stop` set on some process stops every process: the loop's stop vote carries it.
+        loop.stop_vote.watch(lambda: view.should_stop,
+                             "trainer.should_stop was set (by the LightningModule or a Lightning callback)")
 
     # -- calling hooks ---------------------------------------------------------------------------------------------
     def _methods(self, hook: str) -> list[Callable]:
@@ -111,7 +110,6 @@ class LightningHooks:
         p, s = loop.progress, loop.schedule
         if p.batch >= s.batches_per_epoch and not _validates_now(loop):
             self._end_epoch(p.epoch)
-        self._vote_stop(loop)
 
     def _end_epoch(self, epoch: Optional[int], scheduler: bool = True) -> None:
         if epoch is None or epoch == self.ended or self.view._stage != "fit":
@@ -122,37 +120,6 @@ class LightningHooks:
             self.task.reset_train_metrics()  # Lightning resets the Metric objects logged in training each epoch
         if scheduler and isinstance(self.loop.scheduler, LightningSchedules):
             self.loop.scheduler.epoch_end()
-
-    def _vote_stop(self, loop: Any) -> None:
-        """`trainer.should_stop` set by some process stops every process: after this step where every process set it
-        here (where Lightning stops), else after the next one. A process that did not set it starts the vote and
-        reads it at the next vote point, so that the processes do not wait for one another at every step, which
-        Lightning's loop does not make them do either."""
-        if self._stopping:  # every process decided at the same point: no more votes (the final validation's)
-            return
-        if loop.strategy.world_size == 1:
-            if self.view.should_stop:
-                self._stop(loop)
-            return
-        if self._stop_next or self._read_votes():  # set somewhere at the last vote point
-            self._stop(loop)
-            return
-        mine = bool(self.view.should_stop)
-        votes = loop.strategy.start_all_reduce(torch.tensor(int(mine), device=self._vote_device), reduce_op="sum")
-        if not mine:
-            self._votes = votes
-        elif int(votes()) == loop.strategy.world_size:
-            self._stop(loop)
-        else:  # the others read this vote at their next vote point, and stop there
-            self._stop_next = True
-
-    def _stop(self, loop: Any) -> None:
-        self._stopping = True
-        loop.request_stop("trainer.should_stop was set (by the LightningModule or a Lightning callback)")
-
-    def _read_votes(self) -> int:
-        votes, self._votes = self._votes, None
-        return int(votes()) if votes is not None else 0
 
     def no_loss(self, model: torch.nn.Module) -> torch.Tensor:
         """The loss of a skipped micro-batch: nothing to back-propagate; under DDP a zero that reaches every
@@ -182,8 +149,8 @@ class LightningHooks:
         closing = p.epoch if p.batch >= s.batches_per_epoch else p.epoch - 1 if p.batch == 0 and p.epoch else None
         if closing is not None and (self.task is None or closing == self.started):  # the validation closing it
             self._end_epoch(closing)
-        if self.view._stage == "fit":
-            self._vote_stop(loop)
+        if self.view._stage == "fit":  # set at a validation (EarlyStopping): every process stops after it
+            loop.stop_vote.flags_now()
 
     def test_start(self) -> None:
         self.view.evaluating("test")
@@ -205,7 +172,6 @@ class LightningHooks:
 
     # -- the run's ends and checkpoints ------------------------------------------------------------------------------
     def on_fit_end(self, loop: Any, result: dict) -> None:
-        self._read_votes()  # the last step's: every process started it, and none reads it now
         if self.started is not None and self.ended != self.started:  # a run that stops mid-epoch ends its epoch
             self._end_epoch(self.started, scheduler=False)  # (its last checkpoint is written already)
         self.call("on_train_end")

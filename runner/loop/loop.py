@@ -55,7 +55,7 @@ class Loop:
         self.global_batch = train.batch_size * strategy.world_size * s.accumulate
         self.metrics = metrics or MetricSet({}, strategy)
         self.callbacks = callbacks or Callbacks()
-        self.stop_vote = StopVote(strategy, stop_requested)
+        self.stop_vote = StopVote(strategy, stop_requested, on_stop=self.request_stop)
         self._signalled = 0  # the signal some process got: stop now, skip the final validation
         self._stop_reason: Optional[str] = None  # a callback asked to end the run (early stopping)
         self.train_step = TrainStep(strategy, task, wrapped, optimizer, scheduler, self.metrics, train.batch_size,
@@ -175,7 +175,7 @@ class Loop:
         return stop
 
     def _finish(self) -> dict:
-        self._signalled = self._signalled or self.stop_vote.drain()
+        self._signalled = self._signalled or self.stop_vote.final()
         self.train_log.finish()
         if not self._signalled:  # a signal stops at once; early stopping has validated this step already
             self._validate()

@@ -227,16 +227,16 @@ class DDPStrategy(Strategy):
         votes = self.all_reduce(torch.tensor(int(bool(decision)), device=self.root_device), reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes > 0)
 
-    def start_any_signal(self, signum: int) -> Callable[[], int]:
+    def start_any_signal(self, signum: Any) -> Callable[[], Any]:
         # On the host, through gloo: reading a device tensor each step would wait for the step's kernels.
         if self._host_group is None:
             self._host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         vote = torch.tensor(signum, dtype=torch.int32)
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._host_group, async_op=True)
 
-        def wait() -> int:
+        def wait() -> Any:
             work.wait()
-            return int(vote)
+            return vote.tolist() if vote.dim() else int(vote)
         return wait
 
     def teardown(self) -> None:

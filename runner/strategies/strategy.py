@@ -137,9 +137,9 @@ class Strategy:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
-    def start_any_signal(self, signum: int) -> Callable[[], int]:
+    def start_any_signal(self, signum: Any) -> Callable[[], Any]:
         """Start agreeing on a stop signal; calling the result waits and returns the highest `signum` of all
-        processes (0: none got one)."""
+        processes (0: none got one). A list of integers is reduced item by item, each to its highest."""
         return lambda: signum
 
     # -- checkpoints ----------------------------------------------------------------------------
