@@ -14,13 +14,10 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner import run_lock
-from runner.build import build_strategy, handing_over_data
-from runner.checks import validate
 from runner.composition import drop_unselected_callbacks
 from runner.config import ConfigError, make_unique_dir
 from runner.launch import launcher_for, start_forkserver
 from runner.processes import end_with_parent
-from runner.stages import record_dir
 
 log = logging.getLogger("runner")
 
@@ -231,6 +228,11 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         if _forks_from_a_server(cfg):
             start_forkserver()  # its imports (torch, the worker) run while this process checks the config
+        # torch comes with these (not at this module's import): the server above imports it beside this process
+        from runner.build import handing_over_data
+        from runner.checks import validate
+        from runner.stages import record_dir
+
         drop_unselected_callbacks(cfg)
         ckpt_path = resolve_ckpt_path(cfg, run_dir)
         run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: its own
@@ -276,6 +278,8 @@ def check(cfg: DictConfig, run_dir: Any = None) -> dict:
 def _trains_here(cfg: DictConfig) -> bool:
     """Whether a worker trains in this process (one process; a rank torchrun or srun started), rather than in
     processes a launcher starts."""
+    from runner.build import build_strategy
+
     strategy = build_strategy(cfg)
     return launcher_for(strategy.processes, cfg.trainer.get("max_restarts", 0), _external(strategy)) is None
 
@@ -284,6 +288,7 @@ def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: 
          job_logging: Optional[dict]) -> dict:
     """A validated job: its run folder, then training here or in the workers a launcher starts."""
     from runner import worker
+    from runner.build import build_strategy
     from runner.logs import save_job_logging
 
     strategy = build_strategy(cfg)

@@ -27,8 +27,9 @@ from runner.processes import (FOLLOWS_ANOTHER, PEER_GONE, SAME_REQUEST_S, STOP_S
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 # What a forkserver imports before any worker is forked from it: torch and the worker's code, once per launcher
-# process, at the start of its first job (runner.job), while the checks run.
-FORKSERVER_PRELOAD = ["runner.entry", "runner.worker"]
+# process, at the start of its first job (runner.job), while the checks run; and torch._dynamo, which
+# DistributedDataParallel's constructor imports (sympy with it: a second or more of CPU in each worker otherwise).
+FORKSERVER_PRELOAD = ["runner.entry", "runner.worker", "torch._dynamo"]
 
 
 def start_forkserver() -> None:
