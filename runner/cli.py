@@ -23,6 +23,7 @@ from runner.composition import forget_said_lines, register_configs
 from runner.config import CONFIG_DIR, CONFIG_MODULE, ConfigError, register_resolvers
 from runner.hydra_hooks import (composed_once, linked_log_in_one_line, unknown_options_in_one_line,
                                 write_hydra_records_whole, wrong_types_in_one_line)
+from runner.launch import ElasticLauncher
 
 register_resolvers()
 register_configs()
@@ -30,6 +31,9 @@ write_hydra_records_whole()
 
 # Jobs of this process that failed; a sweep goes on after a failure and exits non-zero at the end.
 failed_jobs: list[str] = []
+# Jobs this command started (the folders): when a launcher's workers trained every one of them, nothing in this process
+# needs the interpreter's teardown of the modules at its exit.
+started_jobs: list[str] = []
 _main_pid: Optional[int] = None
 
 
@@ -222,6 +226,7 @@ def hydra_main(cfg: DictConfig) -> Optional[float]:
     write_to_log_files(said_lines())  # said while composing, before this job's runner.log was open
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
+    started_jobs.append(str(job_dir))
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     environment = _external_environment() if multirun and os.getpid() == _main_pid else None
     if environment is not None:  # a preset's hydra.mode=MULTIRUN (a launcher plugin's job runs elsewhere)
@@ -290,6 +295,8 @@ def main() -> None:
     global _main_pid
     _main_pid = os.getpid()
     failed_jobs.clear()  # this command's sweep only (a program may call main() more than once)
+    started_jobs.clear()
+    launches = ElasticLauncher.launches
     forget_said_lines()  # and its own lines about the user's config files
     if run_as_python_m() and wants_bash_install(sys.argv[1:]):
         print(PYTHON_M_BASH)  # Hydra's own completes `runner ...`, not `python -m runner ...`
@@ -318,7 +325,8 @@ def main() -> None:
     if failed_jobs:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
         code = 1
-    if _checking(sys.argv[1:]) and _is_the_program():
+    launched_all = bool(started_jobs) and ElasticLauncher.launches - launches == len(started_jobs)
+    if (_checking(sys.argv[1:]) or launched_all) and _is_the_program():
         _exit_skipping_teardown(code)
     if code:
         sys.exit(code)
@@ -336,8 +344,10 @@ def _is_the_program() -> bool:
 
 
 def _exit_skipping_teardown(code: int) -> NoReturn:
-    """End a finished check as the interpreter would, less its teardown of the modules: torch's takes ~0.4 s of CPU,
-    a seventh of `python -m runner stage=check`, and a check leaves nothing for it (no worker, no run folder).
+    """End a finished check, or a command whose every job trained in launched workers, as the interpreter would, less
+    its teardown of the modules: torch's takes ~0.4 s of CPU, a seventh of `python -m runner stage=check`, 0.5-1.2 s
+    of the launcher's exit after its workers ended, and neither leaves anything for it (the workers have ended and
+    written the run; a check writes nothing).
 
     The exit handlers run first (atexit: logging's flush and close, weakref finalizers such as a temporary
     folder's), then the console is flushed. Where a thread of the user's code still runs, the interpreter's own

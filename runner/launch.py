@@ -139,6 +139,8 @@ class ElasticLauncher:
     None or 0: not watched. `stall_setting`: the setting that chose it, as its message names it.
     """
 
+    launches = 0  # launches in this process (runner.cli: a command whose every job launched skips the teardown)
+
     def __init__(self, num_processes: int, start_method: StartMethod = "popen", max_restarts: int = 0,
                  shutdown_timeout: int = 30, stall_timeout: Optional[float] = None, stall_setting: str = "") -> None:
         self.num_processes = num_processes
@@ -151,6 +153,8 @@ class ElasticLauncher:
     def launch(self, config: Any, run_dir: Path, deterministic: bool = False) -> None:
         """Run the workers on `config` (the resolved job config) until they end; raise how a failed job failed."""
         from omegaconf import OmegaConf
+
+        ElasticLauncher.launches += 1
 
         from runner.heartbeat import StallWatch
 

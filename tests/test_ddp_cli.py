@@ -19,17 +19,38 @@ SHORT = ["data.num_samples=128", "data.val_samples=40", "data.batch_size=16", "t
          "trainer.max_epochs=-1", "model.hidden=16"]
 
 
+# In the launcher (`python -m runner`) alone: an exit handler, and an object whose __del__ only the interpreter's
+# teardown of the modules calls; each leaves a file when it runs.
+WITNESSES = """
+import atexit, os, sys
+if sys.orig_argv[1:3] == ["-m", "runner"]:
+    _here = os.path.dirname(os.path.abspath(__file__))
+    atexit.register(lambda: open(os.path.join(_here, "exit-handler-ran"), "w").close())
+
+    class _TornDown:
+        def __del__(self, open=open, join=os.path.join):
+            open(join(_here, "torn-down"), "w").close()
+
+    _witness = _TornDown()
+"""
+
+
 @pytest.mark.parametrize("start_method", ["popen", "spawn", "fork", "forkserver"])
 def test_two_processes_one_run_folder(tmp_path: Path, start_method: str) -> None:
-    run_dir = tmp_path / "run"
+    run_dir, site = tmp_path / "run", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(WITNESSES)
     result = run_cli([*TWO_CPU, *SHORT, f"strategy.start_method={start_method}", f"hydra.run.dir={run_dir}"],
-                     cwd=tmp_path)
+                     cwd=tmp_path, env=clean_environ(PYTHONPATH=str(site)))
     assert_ok(result)
     assert_one_run_folder(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["step"] == 3 and "val/loss" in metrics
     assert "global batch 32" in (run_dir / "runner.log").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written beside the run folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "site"]  # nothing written beside the run folder
+    # The workers trained the job: the launcher ends through its exit handlers, without the teardown of the modules.
+    assert sorted(p.name for p in site.iterdir() if p.suffix != ".py") == ["exit-handler-ran"]
+    assert "done: " in result.stderr  # the console's last lines came through
 
 
 def test_torchrun_with_run_dir(tmp_path: Path) -> None:
