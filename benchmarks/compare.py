@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cli-repeats", type=int, default=10)
     p.add_argument("--json", type=Path, help="write every raw measurement here")
     p.add_argument("--snapshots", type=Path, nargs="+", default=[],
-                   help="for --suite versions: folders holding runner/ and conf/ (git archive <commit> | tar -x -C DIR)")
+                   help="for --suite versions, or step (each against the hand-written loop): folders holding runner/ "
+                        "and conf/ (git archive <commit> | tar -x -C DIR)")
     return p.parse_args(argv)
 
 
@@ -255,8 +256,35 @@ def suite_cli(args: argparse.Namespace) -> SuiteResult:
 
 
 def suite_step(args: argparse.Namespace) -> SuiteResult:
-    """The runner against the hand-written loop, per process count."""
+    """The runner against the hand-written loop, per process count; with `--snapshots`, each snapshot's runner
+    against it, all of them alternated in each pair."""
+    if args.snapshots:
+        return snapshots_vs_hand(args)
     return runner_vs_hand(args, "step", runner_cmd, handwritten_cmd)
+
+
+def snapshots_vs_hand(args: argparse.Namespace) -> SuiteResult:
+    """Per process count: each snapshot's runner and the hand-written loop in every pair; ratios to the hand per pair."""
+    rows, data = [], {}
+    for procs in args.procs:
+        print(f"step suite: {procs} process(es), snapshots {' '.join(s.name for s in args.snapshots)} and hand",
+              flush=True)
+        cases = {snap.name: runner_cmd(args, procs, snapshot=snap) for snap in args.snapshots}
+        raw = ab_pairs({**cases, "handwritten": handwritten_cmd(args, procs)}, args)
+        runs = {name: per_pair(pairs, args) for name, pairs in raw.items()}
+        data[f"{procs} process(es)"] = runs
+        h = runs["handwritten"]
+        for name in [*cases, "handwritten"]:
+            r = runs[name]
+            rows.append(
+                f"| {procs} | {name} | {spread(r['step_inrun'], 1e3, 3)} "
+                f"| **{spread(ratios(r['step_inrun'], h['step_inrun']), digits=3)}** "
+                f"| {spread(r['step_diff'], 1e3, 3)} | {spread(ratios(r['step_diff'], h['step_diff']), digits=3)} "
+                f"| {spread(ratios(r['cpu_diff'], h['cpu_diff']), digits=3)} | {spread(r['startup'])} "
+                f"| **{spread([a - b for a, b in zip(r['startup'], h['startup'])])}** | {spread(r['fixed'])} |")
+    header = ("| procs | code | ms/step (in-run) | / hand (in-run) | ms/step (diff) | / hand (diff) | / hand (CPU) "
+              "| start-up s | start-up - hand s | fixed s |")
+    return "\n".join([header, "|" + "---|" * 10, *rows]), data
 
 
 def suite_fsdp(args: argparse.Namespace) -> SuiteResult:

@@ -1,12 +1,14 @@
-"""The per-step stop vote's cost: DDP steps with and without it, in the same two gloo processes, alternated.
+"""The stop vote's cost: DDP steps with and without it, in the same two gloo processes, alternated.
 
-Each optimizer step the loop starts a one-number MAX all-reduce of the stop signal (`Strategy.start_any_signal`)
-and reads the one the previous step started, so that a signal stops every rank within two steps. Here the
-benchmark's job (compare.py's JOB) trains under `strategy=ddp` on 2 CPU processes, and blocks of `--steps`
-calls of each variant alternate, the order rotating each round:
+A vote is a one-number MAX all-reduce of the stop signal (`Strategy.start_any_signal`) started at one step and read
+at the next; since run 21 the processes vote every step only until they agree on an interval (runner.loop.stop),
+then every k steps. Here the benchmark's job (compare.py's JOB) trains under `strategy=ddp` on 2 CPU processes, and
+blocks of `--steps` calls of each variant alternate, the order rotating each round:
 
   * step: `Loop.train_step([batch])`, what a step costs without the vote;
-  * step + vote: the same, then `Loop.stop_vote()`, as `Loop._after_step` calls it every step.
+  * step + vote every step: the same, then a `StopVote` held at one vote a step (what every run did before run 21);
+  * step + vote: the same, then `Loop.stop_vote()`, as `Loop._after_step` calls it (its interval agreed after its
+    first steps; `--steps` of 20 blocks give 10 steps a probe).
 
     OMP_NUM_THREADS=1 python benchmarks/stop_vote.py --rounds 40 --steps 20
 """
@@ -36,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     join_group(rank, port, args.threads)
     from runner import build
+    from runner.loop.stop import StopVote
 
     cfg = job_config("ddp")
     strategy = build.build_strategy(cfg)
@@ -48,16 +51,27 @@ def worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         loop.train_step([data[cursor[0] % len(data)]])
         cursor[0] += 1
 
+    every_step = StopVote(strategy, loop.stop_vote.requested)
+    every_step.watch(lambda: False, "")  # a watched flag holds it at one vote a step
+
+    def step_and_vote_every_step() -> None:
+        step()
+        every_step()
+
     def step_and_vote() -> None:
         step()
         loop.stop_vote()
 
-    def between_blocks() -> None:  # no block inherits the other's vote in flight
+    def between_blocks() -> None:  # no block inherits another's vote in flight
+        every_step.drain()
         loop.stop_vote.drain()
         dist.barrier()
 
-    times = alternate({"step": step, "step + vote": step_and_vote}, args.rounds, args.steps,
-                      {"CPU": time.thread_time, "wall": time.perf_counter}, sync=between_blocks)
+    times = alternate({"step": step, "step + vote every step": step_and_vote_every_step, "step + vote": step_and_vote},
+                      args.rounds, args.steps, {"CPU": time.thread_time, "wall": time.perf_counter},
+                      sync=between_blocks)
+    if rank == 0:
+        print(f"rank 0: the loop's vote agreed on {loop.stop_vote.interval} steps a vote", flush=True)
     report(times, rank, queue)
 
 
