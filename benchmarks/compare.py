@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every process of every run")
     p.add_argument("--cli-repeats", type=int, default=10)
     p.add_argument("--json", type=Path, help="write every raw measurement here")
+    p.add_argument("--wait-load", type=float, default=0.0,
+                   help="before each pair, wait for the 1-minute load to fall below this (0: do not wait)")
+    p.add_argument("--wait-max", type=float, default=300.0, help="seconds to wait for it at most")
     p.add_argument("--snapshots", type=Path, nargs="+", default=[],
                    help="for --suite versions, or step (each against the hand-written loop): folders holding runner/ "
                         "and conf/ (git archive <commit> | tar -x -C DIR)")
@@ -196,6 +199,10 @@ def ab_pairs(cases: dict[str, Command], args: argparse.Namespace) -> dict[str, l
     """For each pair: every case at N1, then every case at N2, in the same order. -> case -> [[run N1, run N2]]."""
     results: dict[str, list[list[Run]]] = {name: [] for name in cases}
     for pair in range(args.pairs):
+        deadline = time.monotonic() + args.wait_max
+        while args.wait_load and os.getloadavg()[0] >= args.wait_load and time.monotonic() < deadline:
+            time.sleep(5)
+        print(f"  pair {pair + 1}/{args.pairs}: load {os.getloadavg()[0]:.2f}", flush=True)
         for name in cases:
             results[name].append([])
         for steps in args.steps:
