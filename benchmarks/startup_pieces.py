@@ -49,14 +49,14 @@ def main() -> None:
         timed_import(module)
     from hydra._internal.hydra import Hydra
 
-    from runner import build, job, worker
+    from runner import build, checks, job, worker
     from runner.loop import Loop, loop as fit_loop
 
     for name in ("get_mode", "compose_config", "run"):
         timed(Hydra, name)
-    for name in ("validate", "build_strategy", "resolved_config"):
-        timed(job, name)
-    for name in ("build_model", "build_optimizer", "build_data", "build_logger", "build_scheduler"):
+    timed(checks, "validate")  # runner.job imports these where it calls them
+    timed(job, "resolved_config")
+    for name in ("build_strategy", "build_model", "build_optimizer", "build_data", "build_logger", "build_scheduler"):
         timed(build, name)
     for name in ("configure_logging", "train_loader", "val_loader"):
         timed(worker, name)
