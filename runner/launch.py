@@ -28,8 +28,9 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 # What a forkserver imports before any worker is forked from it: torch and the worker's code, once per launcher
 # process, at the start of its first job (runner.job), while the checks run; and torch._dynamo, which
-# DistributedDataParallel's constructor imports (sympy with it: a second or more of CPU in each worker otherwise).
-FORKSERVER_PRELOAD = ["runner.entry", "runner.worker", "torch._dynamo"]
+# DistributedDataParallel's constructor imports (sympy with it: a second or more of CPU in each worker otherwise);
+# runner.forkserver first, for how a worker whose launcher has already gone ends.
+FORKSERVER_PRELOAD = ["runner.forkserver", "runner.entry", "runner.worker", "torch._dynamo"]
 
 
 def start_forkserver() -> None:

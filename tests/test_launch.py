@@ -148,3 +148,23 @@ def test_the_temporary_folders_of_killed_launchers_are_removed_at_the_next_launc
     mine.mkdir()
     remove_stale_scratch()
     assert not stale.exists() and mine.exists()
+
+
+def test_a_forkserver_worker_whose_launcher_is_gone_ends_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while the forkserver forks a worker ends the launcher, which removes the semaphores the worker is
+    unpickling: that FileNotFoundError, raised in multiprocessing's synchronize.py, is said by nobody (it printed 14
+    lines after the launcher's line); any other error of a worker's start keeps its traceback."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the server's hook, not this process's
+    from runner.forkserver import quiet_when_the_launcher_is_gone
+
+    said: list[type] = []
+    hook = quiet_when_the_launcher_is_gone(lambda kind, error, trace: said.append(kind))
+    synchronize = "/usr/lib/python3/multiprocessing/synchronize.py"
+    for source, where in (("raise FileNotFoundError(2, 'No such file or directory')", synchronize),
+                          ("raise FileNotFoundError(2, 'No such file or directory')", "/home/me/my_data.py"),
+                          ("raise ValueError('unpickling')", synchronize)):
+        try:
+            exec(compile(source, where, "exec"))
+        except Exception:  # noqa: BLE001 - handed to the hook as the server hands it
+            hook(*sys.exc_info())
+    assert said == [FileNotFoundError, ValueError]
