@@ -121,11 +121,23 @@ def _kill_started(since: int = 0, thread: Optional[int] = None) -> None:
 atexit.register(_kill_started)  # an interrupted suite (Ctrl-C, a timeout) ends its jobs too
 
 
+def _end_wandb_service(since: int) -> None:
+    """W&B's service, started by a test in this process, ends through W&B: killed, W&B's own exit handler would
+    print a ConnectionResetError traceback at the end of the suite."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and any(p.poll() is None and "wandb" in str(p.args) for p, _, _ in _STARTED[since:]):
+        try:
+            wandb.teardown()
+        except Exception:  # noqa: BLE001 - the process is killed next either way
+            pass
+
+
 @pytest.fixture(autouse=True)
 def _end_started_processes():
     """Pass or fail, the jobs a test starts end with it (a module fixture's processes are the fixture's to end)."""
     since = len(_STARTED)
     yield
+    _end_wandb_service(since)
     _kill_started(since, threading.get_ident())
     _STARTED[:] = [entry for entry in _STARTED if entry[0].poll() is None]  # keep the list short
 
