@@ -361,6 +361,25 @@ def test_the_default_objective_never_fails_a_module_that_logs_other_names(tmp_pa
 
 
 
+def test_stage_check_refuses_an_objective_the_modules_validation_does_not_log(tmp_path: Path) -> None:
+    """objective=val/foo with a module that logs val/lit_loss and val/lit_acc: the run would train to its first
+    validation and stop there; stage=check says so in one line naming what is logged. A logged objective, or none
+    set, passes; a user's callback (which may log it) leaves it to the run."""
+    from runner.config import ConfigError
+    from runner.job import check
+
+    with pytest.raises(ConfigError) as refused:
+        check(_cfg(tmp_path, *OWN, "objective=val/foo"))
+    assert refused.value.problems == [
+        "objective=val/foo is not logged at validation by model (lightning_modules.LitOwnNames): its validation logs "
+        "val/lit_acc, val/lit_loss; set objective to one of them, or leave it unset (the run then ranks by the "
+        "module's own monitor, if any)"]
+    check(_cfg(tmp_path, *OWN, "objective=val/lit_acc", "direction=maximize"))
+    check(_cfg(tmp_path, *OWN))
+    check(_cfg(tmp_path, *OWN, "objective=val/foo", "+callbacks.rec._target_=lightning_modules.RecordingCallback",
+               f"+callbacks.rec.folder={tmp_path}"))
+
+
 def test_a_run_whose_every_batch_is_skipped_ends_in_one_line(tmp_path: Path) -> None:
     """training_step returns None on every batch: the 5 steps count as Lightning's global_step counts them, but the
     result says no optimizer step was taken, and the run ends in one line saying it trained nothing (not `done`)."""

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build_accelerator, build_task, model_data_mismatch, python_rng_kept, trial_model
 from runner.config import ConfigError
@@ -263,17 +263,35 @@ def lightning_trial(cfg: DictConfig, data: Any, first: FirstBatch) -> Trial:
     val = read_first_batch(cfg, data, "val")
     try:
         with located(model) as running, _runner_log_quiet():  # the worker's lines on the module are not the check's
-            flops, ran = run_steps(model, cfg, first.batch, val.batch if val is not None else None)
+            flops, ran, val_names = run_steps(model, cfg, first.batch, val.batch if val is not None else None)
     except StepFailed as failed:
         batch = first if failed.step == "training_step" else val
         raise ConfigError([f"model ({cfg.model._target_}): {failed.step} fails on {batch.words}"
                            f"{in_module(running)}: {one_line(failed.error)}"]) from failed
     except NotTried as why:
         return Trial(f"its training_step and validation_step were not run: {why}")
+    _check_objective_logged(cfg, val_names)
     tried = f"{' and '.join(ran) or 'no step'} ran on a first batch ({first.count} samples) on the CPU"
     if flops is None:
         return Trial(tried, None, "manual optimization: training_step steps the optimizers a worker gives it")
     return _counted(tried, flops, first.count)
+
+
+def _check_objective_logged(cfg: DictConfig, val_names: Optional[set[str]]) -> None:
+    """An objective set by the user that the LightningModule's validation does not log: the run would train up to its
+    first validation and stop there. Not said where a callback of the user's may log it (pl_module.log in its
+    on_validation_epoch_end), nor where the validation's names are not known."""
+    from runner.callbacks import DEFAULT_OBJECTIVE
+
+    objective = cfg.get("objective")
+    own_callbacks = [name for name, node in (cfg.get("callbacks") or {}).items()
+                     if not str(OmegaConf.select(node, "_target_", default="")).startswith("runner.")]
+    if val_names is None or objective in (None, DEFAULT_OBJECTIVE) or objective in val_names or own_callbacks:
+        return
+    logged = ", ".join(sorted(val_names)) or "nothing"
+    raise ConfigError([f"objective={objective} is not logged at validation by model ({cfg.model._target_}): its "
+                       f"validation logs {logged}; set objective to one of them, or "
+                       f"leave it unset (the run then ranks by the module's own monitor, if any)"])
 
 
 @contextlib.contextmanager

@@ -29,10 +29,13 @@ class NotTried(Exception):
     """The steps could not be reached for a reason a worker would not have (a setup() reading what a check lacks)."""
 
 
-def run_steps(model: Any, cfg: Any, train_batch: Any, val_batch: Optional[Any]) -> tuple[Optional[int], list[str]]:
-    """training_step (forward and backward) on `train_batch`, then validation_step on `val_batch` (None: not run);
-    returns training_step's FLOPs (None under manual optimization, whose step is not run: it steps optimizers only a
-    worker has) and the steps that ran. Raises StepFailed naming the step that failed."""
+def run_steps(model: Any, cfg: Any, train_batch: Any,
+              val_batch: Optional[Any]) -> tuple[Optional[int], list[str], Optional[set[str]]]:
+    """training_step (forward and backward) on `train_batch`, then validation_step on `val_batch` (None: not run)
+    and on_validation_epoch_end; returns training_step's FLOPs (None under manual optimization, whose step is not
+    run: it steps optimizers only a worker has), the steps that ran, and the names they logged at validation (None
+    where that is not known: no validation ran, or on_validation_epoch_end failed without a worker's run). Raises
+    StepFailed naming the step that failed."""
     from torch.utils.flop_counter import FlopCounterMode
 
     view = TrainerView(cfg)
@@ -43,7 +46,7 @@ def run_steps(model: Any, cfg: Any, train_batch: Any, val_batch: Optional[Any]) 
                        f"{type(error).__name__}: {error}") from error
     recorder = LogRecorder()
     model.log, model.log_dict = recorder.log, recorder.log_dict  # as the worker binds them (runner.lightning.attach)
-    ran, flops = [], None
+    ran, flops, val_names = [], None, None
     if not is_manual(model):
         model.train()
         with FlopCounterMode(display=False) as counter, recorder.recording("train", "training_step"):
@@ -62,5 +65,20 @@ def run_steps(model: Any, cfg: Any, train_batch: Any, val_batch: Optional[Any]) 
                 Evaluation(torch.device("cpu")).add(logged, leading_size(val_batch), model)
             except Exception as error:  # noqa: BLE001
                 raise StepFailed("validation_step", error) from error
+            val_names = set(logged)
         ran.append("validation_step")
-    return flops, ran
+        val_names = _epoch_end_names(model, recorder, val_names)
+    return flops, ran, val_names
+
+
+def _epoch_end_names(model: Any, recorder: LogRecorder, names: set[str]) -> Optional[set[str]]:
+    """`names` and what on_validation_epoch_end logs after one batch (a metric computed over the epoch); None where
+    it fails: over one batch, without a worker's run, that is no failure of the module."""
+    if not overrides(model, "on_validation_epoch_end"):
+        return names
+    with torch.no_grad(), recorder.recording("val", "on_validation_epoch_end") as logged:
+        try:
+            model.on_validation_epoch_end()
+        except Exception:  # noqa: BLE001 - the worker's run says what fails there
+            return None
+    return names | set(logged)
