@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import pytest
-import torch
+
+# The suite's test processes share the machine's cores (pytest -n 2): each, and each run it starts, computes on one
+# thread, as the runner gives each of 2 local processes. torch's default, a thread per core in every process,
+# oversubscribes them, and OpenMP's waiting threads then slowed an in-process training up to 7x when two coincided.
+# Tests of the thread setting itself clear or set the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 - after the thread count it reads
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
