@@ -123,10 +123,11 @@ def test_a_collate_fn_that_batches_ragged_samples_trains(tmp_path: Path) -> None
 
 def test_a_frozen_model_may_still_be_evaluated() -> None:
     from runner.checks.components import check_trainable
+    from runner.plan import Plan
 
     frozen = [*BASE, "model._target_=trust_data.FrozenModel"]
-    assert list(check_trainable(compose_config([*frozen, "stage=validate"]))) == []
-    assert len(list(check_trainable(compose_config(frozen)))) == 1
+    assert list(check_trainable(Plan(compose_config([*frozen, "stage=validate"])))) == []
+    assert len(list(check_trainable(Plan(compose_config(frozen))))) == 1
 
 
 def optimizer(lr: float = 0.1) -> torch.optim.Optimizer:

@@ -1,7 +1,8 @@
 """Every check a config passes before any worker starts, run by the one `validate`.
 
-CLI → compose → [validate] → run folder → launch → worker → build → loop → teardown. Each module holds one
-concern, in the order validate runs them:
+CLI → compose → plan → [validate] → run folder → launch → worker → build → loop → teardown. Each module holds one
+concern, in the order validate runs them (from components on, each reads the plan of what the run will build,
+runner.plan, made once by validate):
   keys        the config's shape: removed groups, keys no schema has (compose runs these too)
   static      plain values in range and of their type, every `_target_` importable
   signatures  each component's settings against its constructor's signature
@@ -11,14 +12,15 @@ concern, in the order validate runs them:
   callbacks   callbacks, metrics (and top_k), loggers
   fsdp        strategy=fsdp's settings against the model
   checkpoint  trainer.ckpt_path against the config
-A new check goes in the module of its concern, and is called from validate here. The checks build trial objects
-through runner.build; runner.build never imports them. `stage=check` (dry_run) runs validate, then passes the first
-batch of data.batch_size samples through the model or a LightningModule's steps (trial), and reports.
+A new check goes in the module of its concern, and is called from validate here. The checks read the run's pieces from
+the plan, and build trial objects through runner.build; runner.build never imports them. `stage=check` (dry_run)
+runs validate, then passes the first batch of data.batch_size samples through the model or a LightningModule's steps
+(trial), and reports.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig
 
@@ -26,11 +28,16 @@ from runner.checks import static
 from runner.checks.keys import check_keys
 from runner.config import CONFIG_DIR, ConfigError
 
+if TYPE_CHECKING:
+    from runner.plan import Plan
 
-def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
-    """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes."""
+
+def validate(cfg: DictConfig, ckpt_path: Any = None, plan: Optional[Plan] = None) -> Plan:
+    """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes. Returns the plan the
+    checks read (`plan`: one made for `cfg` already, whose pieces were read before the checks)."""
     # Imported here: the command line reads runner.checks.keys at start-up, before torch is needed.
     from runner.checks import callbacks, checkpoint, components, fsdp, optimizers, schedule, signatures
+    from runner.plan import Plan
 
     problems = check_keys(cfg, CONFIG_DIR)
     if problems:  # the checks below read the groups
@@ -42,7 +49,8 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
     problems += signatures.check_signatures(cfg)
     if problems:  # building with keys a constructor does not take would only repeat them
         raise ConfigError(problems)
-    problems += components.check_cpu_processes(cfg)
+    plan = plan if plan is not None else Plan(cfg)
+    problems += components.check_cpu_processes(plan)
     if problems:  # the strategy the checks below build holds one device per process
         raise ConfigError(problems)
     # Each builds what it checks, as the workers will; every problem is reported, in this order.
@@ -50,8 +58,9 @@ def validate(cfg: DictConfig, ckpt_path: Any = None) -> None:
                   components.check_trainable, optimizers.check_optimizer_parts, schedule.check_data_and_schedule, components.check_task,
                   callbacks.check_top_k, callbacks.check_metrics, callbacks.check_callbacks, callbacks.check_loggers,
                   components.check_compile, fsdp.check_fsdp):
-        problems += check(cfg)
+        problems += check(plan)
     if ckpt_path is not None and not problems:
-        problems += checkpoint.check_checkpoint(cfg, ckpt_path)
+        problems += checkpoint.check_checkpoint(plan, ckpt_path)
     if problems:
         raise ConfigError(problems)
+    return plan

@@ -19,19 +19,22 @@ from runner.build import (build_callbacks, build_metric, build_one_logger, guess
                           monitor_defaults)
 from runner.checks.signatures import check_settings, is_fsdp, parameters
 from runner.config import ConfigError
+from runner.plan import Plan
 from runner.values import is_int, one_line, suggest
 
 
-def check_top_k(cfg: DictConfig) -> Iterator[str]:
+def check_top_k(plan: Plan) -> Iterator[str]:
     """top_k beyond the data's classes is known before any batch when the data names its class count."""
+    cfg = plan.cfg
     top_k, classes = cfg.task.get("top_k"), cfg.data.get("num_classes") if OmegaConf.is_dict(cfg.data) else None
     if OmegaConf.is_list(top_k) and is_int(classes) and any(is_int(k) and k > classes for k in top_k):
         yield f"task.top_k={list(top_k)} asks for more than data.num_classes={classes} classes"
 
 
-def check_metrics(cfg: DictConfig) -> Iterator[str]:
+def check_metrics(plan: Plan) -> Iterator[str]:
     from runner.metrics import STAGES, is_metric
 
+    cfg = plan.cfg
     node = cfg.get("metrics")
     if node is not None and not (OmegaConf.is_dict(node) or OmegaConf.is_list(node)):
         yield f"metrics={node} must map names to metrics, e.g. +metrics.f1._target_=<a metric class>"
@@ -69,9 +72,10 @@ def _unknown_settings(key: str, spec: DictConfig, target: Any) -> str:
     return "".join(f"; {key}.{k} is not one of its parameters{suggest(k, named)}" for k in unknown) if named else ""
 
 
-def check_callbacks(cfg: DictConfig) -> Iterator[str]:
+def check_callbacks(plan: Plan) -> Iterator[str]:
     from runner.callbacks import EMA, HOOKS
 
+    cfg = plan.cfg
     node = cfg.get("callbacks")
     if OmegaConf.is_dict(node):  # each callback's keys against its class, naming the allowed ones
         keyed = [p for name, spec in node.items() if OmegaConf.is_dict(spec) and "_target_" in spec
@@ -96,11 +100,11 @@ def check_callbacks(cfg: DictConfig) -> Iterator[str]:
             yield EMA.SHARDED.format(name=name)
 
 
-def check_loggers(cfg: DictConfig) -> Iterator[str]:
+def check_loggers(plan: Plan) -> Iterator[str]:
     """Each logger has the four methods of a logger and is built once in a scratch folder (it may create files)."""
     from runner.loggers import LOGGER_METHODS
 
-    for name, spec in logger_specs(cfg).items():
+    for name, spec in logger_specs(plan.cfg).items():
         target = get_method(spec._target_)
         missing = [m for m in LOGGER_METHODS if not callable(getattr(target, m, None))]
         if missing:

@@ -12,19 +12,18 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 
-from runner.build import (build_accelerator, build_environment, build_model, build_task, devices_setting,
-                          probe_optimizer)
+from runner.build import build_model, build_task, probe_optimizer
 from runner.lightning import is_lightning_config
+from runner.plan import Plan
 from runner.schedulers import unreachable
 
 
-def check_checkpoint(cfg: DictConfig, path: Any) -> Iterator[str]:
+def check_checkpoint(plan: Plan, path: Any) -> Iterator[str]:
     """The checkpoint is the one written (its checksums), holds data only, a possible step, finite weights and
     this run's task, and fits this config: the model's tensors and the position in the epoch."""
     from runner.checkpoint_io import CheckpointError
 
-    devices = devices_setting(cfg, build_environment(cfg))
-    processes = len(build_accelerator(cfg).parse_devices(devices)) * cfg.trainer.num_nodes
+    cfg, processes = plan.cfg, plan.processes
     try:
         checkpoint = _read_checked(cfg, path)
     except CheckpointError as err:

@@ -16,23 +16,23 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (NO_DECAY, build_accelerator, build_environment, build_model, build_task,
-                          compile_arguments, devices_setting, meta_model, no_decay_matches, python_rng_kept)
+from runner.build import (NO_DECAY, build_model, build_task, compile_arguments, meta_model, no_decay_matches,
+                          python_rng_kept)
 from runner.checks.signatures import strategy_class
+from runner.plan import Plan
 from runner.values import one_line, suggest
 
 
-def check_components(cfg: DictConfig) -> Iterator[str]:
+def check_components(plan: Plan) -> Iterator[str]:
     from runner.strategies import DataParallelStrategy, SingleDeviceStrategy
 
-    accelerator = build_accelerator(cfg)
+    cfg, accelerator = plan.cfg, plan.accelerator
     kind = accelerator.device_type
     if not accelerator.is_available():
         yield (f"accelerator={kind} but no {kind.upper()} device is available here; "
                "use accelerator=cpu or accelerator=auto")
         return
-    environment = build_environment(cfg)
-    indices = accelerator.parse_devices(devices_setting(cfg, environment))
+    indices = plan.device_indices
     available = accelerator.auto_device_count()
     if kind != "cpu" and (not indices or max(indices) >= available):
         yield f"trainer.devices={cfg.trainer.devices} but only {available} {kind.upper()} device(s) are visible"
@@ -54,7 +54,7 @@ def check_components(cfg: DictConfig) -> Iterator[str]:
 
     yield from filter(None, [timeout_problem(cfg.strategy.timeout) if "timeout" in cfg.strategy else None,
                              stall_timeout_problem(cfg.strategy.get("stall_timeout"))])
-    yield from environment.validate_settings(len(indices), cfg.trainer.num_nodes)
+    yield from plan.environment.validate_settings(len(indices), cfg.trainer.num_nodes)
 
 
 # CPU processes per core this process may use beyond which a run is refused unless insisted on, and the count always
@@ -62,15 +62,14 @@ def check_components(cfg: DictConfig) -> Iterator[str]:
 CPU_PROCESSES_PER_CORE, CPU_PROCESSES_ALLOWED = 4, 8
 
 
-def check_cpu_processes(cfg: DictConfig) -> Iterator[str]:
+def check_cpu_processes(plan: Plan) -> Iterator[str]:
     """A CPU process count far beyond the cores this process may use (a typo, devices=1000) would start them all and
     take a shared machine down before the first one fails: refused unless `trainer.oversubscribe_cpu=true`, before
     the checks that build the strategy (its devices, one object per process)."""
-    accelerator = build_accelerator(cfg)
-    environment = build_environment(cfg)
-    if accelerator.device_type != "cpu" or environment.creates_processes_externally:
+    cfg = plan.cfg
+    if plan.accelerator.device_type != "cpu" or plan.environment.creates_processes_externally:
         return  # GPUs are counted by check_components; torchrun or srun started the processes already
-    processes = len(accelerator.parse_devices(devices_setting(cfg, environment)))
+    processes = len(plan.device_indices)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     limit = max(CPU_PROCESSES_ALLOWED, CPU_PROCESSES_PER_CORE * cores)
     if processes <= limit or cfg.trainer.get("oversubscribe_cpu", False):
@@ -81,13 +80,13 @@ def check_cpu_processes(cfg: DictConfig) -> Iterator[str]:
            "with trainer.oversubscribe_cpu=true")
 
 
-def check_backend(cfg: DictConfig) -> Iterator[str]:
+def check_backend(plan: Plan) -> Iterator[str]:
     """strategy.process_group_backend against the accelerator: a backend its devices lack (nccl on CPU) or a
     misspelt one fails only in the workers, every rank with its own traceback."""
-    backend = cfg.strategy.get("process_group_backend")
+    backend = plan.cfg.strategy.get("process_group_backend")
     if backend is None or not torch.distributed.is_available():
         return
-    accelerator = build_accelerator(cfg)
+    accelerator = plan.accelerator
     kind = accelerator.device_type
     if not accelerator.is_available():
         return  # check_components says so
@@ -112,9 +111,10 @@ def check_backend(cfg: DictConfig) -> Iterator[str]:
     yield f"strategy.process_group_backend={backend} {reason}; {allowed_text}"
 
 
-def check_trainable(cfg: DictConfig) -> Iterator[str]:
+def check_trainable(plan: Plan) -> Iterator[str]:
     """A model without a parameter to train, and `optimizer._no_decay_` entries that exempt none of its parameters
     (built on the meta device: shapes only, in milliseconds)."""
+    cfg = plan.cfg
     if cfg.get("stage", "fit") != "fit":
         return  # validating, testing or predicting with a frozen model is fine
     entries, problem = _no_decay_entries(cfg)
@@ -159,8 +159,9 @@ def _no_decay_entries(cfg: DictConfig) -> tuple[list[str], str]:
     return [str(e) for e in entries], ""
 
 
-def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
+def check_half_optimizer(plan: Plan) -> Iterator[str]:
     """float16 rounds an epsilon below ~3e-8 to 0; Adam-style updates then divide by zero and the loss turns NaN."""
+    cfg = plan.cfg
     optimizer = cfg.get("optimizer")
     if cfg.precision.get("precision") != "16-true" or not OmegaConf.is_dict(optimizer) or "_target_" not in optimizer:
         return
@@ -174,9 +175,10 @@ def check_half_optimizer(cfg: DictConfig) -> Iterator[str]:
                f"overflow; set {key}=1e-4, or use precision=bf16-true or bf16-mixed")
 
 
-def check_compile(cfg: DictConfig) -> Iterator[str]:
+def check_compile(plan: Plan) -> Iterator[str]:
     from runner.strategies import DataParallelStrategy
 
+    cfg = plan.cfg
     arguments = compile_arguments(cfg)
     if arguments is None:
         return
@@ -191,7 +193,8 @@ def check_compile(cfg: DictConfig) -> Iterator[str]:
                "device at every step, and the copies would run the original's compiled code")
 
 
-def check_task(cfg: DictConfig) -> Iterator[str]:
+def check_task(plan: Plan) -> Iterator[str]:
+    cfg = plan.cfg
     try:
         build_task(cfg)
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix

@@ -20,10 +20,10 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.build import (build_accelerator, build_data, build_environment, build_model, build_strategy,
-                          devices_setting, handing_over_data, python_rng_kept)
+from runner.build import build_data, build_model, build_strategy, handing_over_data, python_rng_kept
 from runner.checks import validate
 from runner.config import ConfigError
+from runner.plan import Plan
 from runner.values import one_line
 
 log = logging.getLogger("runner")
@@ -56,8 +56,9 @@ def check_config(cfg: DictConfig, ckpt_path: Optional[str] = None) -> dict:
     per-process bytes and the report line (`report`), which is also logged."""
     stage = cfg.get("stage", "check")
     checked = training_config(cfg)
-    with machine_stand_in(checked) as skipped, handing_over_data(lambda: True), dynamo_left_unimported():
-        validate(checked, ckpt_path)
+    plan = Plan(checked)
+    with machine_stand_in(plan) as skipped, handing_over_data(lambda: True), dynamo_left_unimported():
+        validate(checked, ckpt_path, plan)
         data = _checked_data(checked, with_setup=stage == "check_data")
         findings = measure(checked, data)
     findings["report"] = report_line(findings)
@@ -133,15 +134,16 @@ def _checked_data(cfg: DictConfig, with_setup: bool) -> Any:
 
 
 @contextlib.contextmanager
-def machine_stand_in(cfg: DictConfig) -> Iterator[Optional[str]]:
+def machine_stand_in(plan: Plan) -> Iterator[Optional[str]]:
     """CUDA devices the config asks for and this machine lacks, stood in for while the checks run: the devices
     count as present (nothing runs on them: the model is built on the meta device). Yields the line saying the
-    device check was skipped, or None when this machine has what the config asks for."""
-    accelerator = build_accelerator(cfg)
+    device check was skipped, or None when this machine has what the config asks for. Reads the plan's devices
+    setting, not its device indices: those are the stand-in's, read by the checks."""
+    accelerator = plan.accelerator
     if accelerator.device_type == "cpu":
         yield None
         return
-    setting = devices_setting(cfg, build_environment(cfg))
+    setting = plan.devices
     present = accelerator.auto_device_count() if accelerator.is_available() else 0
     wanted = _devices_wanted(setting, present)
     if wanted <= present:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from runner.build import meta_model
 from runner.checks.signatures import is_fsdp
+from runner.plan import Plan
 
 
-def check_fsdp(cfg: DictConfig) -> Iterator[str]:
+def check_fsdp(plan: Plan) -> Iterator[str]:
     """strategy=fsdp's settings, and the class names it names against the model (built on the meta device)."""
     from runner.strategies import fsdp
 
+    cfg = plan.cfg
     if not is_fsdp(cfg):
         return
     node = cfg.strategy

@@ -10,10 +10,12 @@ from omegaconf import DictConfig
 
 from runner.build import NO_DECAY, meta_model, no_decay_matches
 from runner.checks.signatures import is_fsdp
+from runner.plan import Plan
 from runner.values import named_optimizers
 
 
-def check_optimizer_parts(cfg: DictConfig) -> Iterator[str]:
+def check_optimizer_parts(plan: Plan) -> Iterator[str]:
+    cfg = plan.cfg
     parts = named_optimizers(cfg.get("optimizer"))
     if parts is None or cfg.get("stage", "fit") != "fit":
         return

@@ -18,18 +18,19 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (build_accelerator, build_environment, build_scheduler, build_unchecked_data,
-                          data_contract, data_hand_over, devices_setting, first_batches_problem, global_rng_states,
-                          probe_optimizer, python_rng_kept)
+from runner.build import (build_scheduler, build_unchecked_data, data_contract, data_hand_over, first_batches_problem,
+                          global_rng_states, probe_optimizer, python_rng_kept)
 from runner.config import ConfigError
+from runner.plan import Plan
 from runner.values import is_int, one_line
 
 
-def check_data_and_schedule(cfg: DictConfig) -> Iterator[str]:
+def check_data_and_schedule(plan: Plan) -> Iterator[str]:
     """The data, where built here (see _trial_data): what the loop reads from it, whether its first samples form a
     batch, and the schedule's rates over the steps the run will take with it."""
     from runner.data import is_data_module, ready
 
+    cfg = plan.cfg
     data = _trial_data(cfg)
     if data is not None and is_data_module(data):
         data = None  # its data sets exist once each worker has run its prepare_data and setup
@@ -42,7 +43,7 @@ def check_data_and_schedule(cfg: DictConfig) -> Iterator[str]:
     if problem:
         yield problem
         data = None
-    yield from _check_optimizer_and_scheduler(cfg, _planned_steps(cfg, data))
+    yield from _check_optimizer_and_scheduler(cfg, _planned_steps(plan, data))
 
 
 # The runner's own data sets, made in memory from their settings in milliseconds: built before launch even where the
@@ -84,17 +85,17 @@ def _makes_data_in_setup(cfg: DictConfig) -> bool:
         return False
 
 
-def _planned_steps(cfg: DictConfig, data: Any) -> Optional[int]:
+def _planned_steps(plan: Plan, data: Any) -> Optional[int]:
     """The optimizer steps a fit takes from step 0, counted as the worker counts them (its scheduler's
     total_steps); None when not known here: no data, and trainer.max_steps alone does not decide."""
     from runner.loop import make_schedule
 
-    t = cfg.trainer
-    if cfg.get("stage", "fit") != "fit":
+    t = plan.cfg.trainer
+    if plan.cfg.get("stage", "fit") != "fit":
         return None
     steps_alone = t.max_steps if t.max_epochs is None and t.max_steps != -1 and not t.fast_dev_run else None
     try:
-        processes = len(build_accelerator(cfg).parse_devices(devices_setting(cfg, build_environment(cfg))))
+        processes = len(plan.device_indices)
     except Exception:  # noqa: BLE001 - devices this machine lacks: check_components says so
         processes = 0
     if data is None or processes < 1:

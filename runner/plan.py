@@ -1,0 +1,49 @@
+"""What a run will build, each piece worked out once from the composed config, for the checks to read.
+
+CLI → compose → [plan] → validate (the checks read the plan) → run folder → launch → worker → build → loop →
+teardown. A piece is worked out by runner.build, as the workers will, at its first reading and then kept: the checks
+that read it run after the ones that make building it safe (the config's keys, its plain values, the signatures),
+so a config refused by those builds nothing here. A check reads its pieces from the plan, never from the builders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from omegaconf import DictConfig
+
+from runner.build import build_accelerator, build_environment, devices_setting
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The composed config, and what runner.build makes of it (each `cached_property`: worked out once)."""
+
+    cfg: DictConfig
+
+    @cached_property
+    def accelerator(self) -> Any:
+        return build_accelerator(self.cfg)
+
+    @cached_property
+    def environment(self) -> Any:
+        """The cluster environment: who starts the processes (this job, or torchrun and srun), and how many."""
+        return build_environment(self.cfg)
+
+    @cached_property
+    def devices(self) -> Any:
+        """`trainer.devices` as the accelerator reads it (`auto` under torchrun or srun: their processes per node)."""
+        return devices_setting(self.cfg, self.environment)
+
+    @cached_property
+    def device_indices(self) -> list[int]:
+        """The device of each of this node's processes. Read once the accelerator is known to be available: for
+        `auto` and -1 its device count decides (stage=check's stand-in for a machine it is not run on included)."""
+        return self.accelerator.parse_devices(self.devices)
+
+    @property
+    def processes(self) -> int:
+        """The processes of the run on all its nodes."""
+        return len(self.device_indices) * self.cfg.trainer.num_nodes
