@@ -9,7 +9,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,6 +18,9 @@ from runner.composition import drop_unselected_callbacks
 from runner.config import ConfigError, make_unique_dir
 from runner.launch import launcher_for, start_forkserver
 from runner.processes import end_with_parent
+
+if TYPE_CHECKING:
+    from runner.plan import Plan
 
 log = logging.getLogger("runner")
 
@@ -186,13 +189,11 @@ def _external(strategy: Any) -> bool:
     return bool(environment is not None and environment.creates_processes_externally)
 
 
-def check_writable(cfg: DictConfig, run_dir: Path) -> None:
+def check_writable(plan: Plan, run_dir: Path) -> None:
     """The run folder, checkpoints/ and the built-in loggers' folders can take files: found before the workers
     start, not at the first log step or checkpoint. Nothing is created here."""
-    from runner.build import logger_specs
-
     folders = [run_dir, run_dir / "checkpoints"]
-    for spec in logger_specs(cfg).values():
+    for spec in plan.loggers.values():
         root = Path(spec.get("root_dir") or run_dir)
         if spec.get("_target_") == "runner.loggers.TensorBoardLogger":
             folders.append(root / spec.get("subdir", "tensorboard"))
@@ -238,8 +239,8 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: its own
         # The data the checks build is the data this process's worker trains on: built once, not twice.
         with handing_over_data(lambda: _trains_here(cfg)):
-            validate(cfg, ckpt_path)
-            check_writable(cfg, run_dir)
+            plan = validate(cfg, ckpt_path)
+            check_writable(plan, run_dir)
             return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
     except Exception as error:  # a constructor's refusal: the runner's line, or the user's class and its error
         said = constructor_failure(error)

@@ -14,7 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.build import build_accelerator, build_environment, devices_setting
+from runner.build import build_accelerator, build_environment, devices_setting, logger_specs
+from runner.values import optimizer_nodes
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +43,16 @@ class Plan:
         """The device of each of this node's processes. Read once the accelerator is known to be available: for
         `auto` and -1 its device count decides (stage=check's stand-in for a machine it is not run on included)."""
         return self.accelerator.parse_devices(self.devices)
+
+    @cached_property
+    def loggers(self) -> dict[str, DictConfig]:
+        """`logger` as {name: settings}: one entry per chosen option, none for `none`."""
+        return logger_specs(self.cfg)
+
+    @cached_property
+    def optimizers(self) -> dict[str, DictConfig]:
+        """{the key a message names: the settings} of each optimizer: `optimizer`, or each `optimizer.<name>`."""
+        return optimizer_nodes(self.cfg.optimizer)
 
     @property
     def processes(self) -> int:

@@ -1,7 +1,7 @@
 """Every check a config passes before any worker starts, run by the one `validate`.
 
 CLI → compose → plan → [validate] → run folder → launch → worker → build → loop → teardown. Each module holds one
-concern, in the order validate runs them (from components on, each reads the plan of what the run will build,
+concern, in the order validate runs them (from signatures on, each reads the plan of what the run will build,
 runner.plan, made once by validate):
   keys        the config's shape: removed groups, keys no schema has (compose runs these too)
   static      plain values in range and of their type, every `_target_` importable
@@ -46,10 +46,10 @@ def validate(cfg: DictConfig, ckpt_path: Any = None, plan: Optional[Plan] = None
                 *static.check_objective(cfg), *static.check_data(cfg), *static.check_targets(cfg)]
     if problems:  # the checks below build objects, which needs importable, well-typed settings
         raise ConfigError(problems)
-    problems += signatures.check_signatures(cfg)
+    plan = plan if plan is not None else Plan(cfg)
+    problems += signatures.check_signatures(plan)
     if problems:  # building with keys a constructor does not take would only repeat them
         raise ConfigError(problems)
-    plan = plan if plan is not None else Plan(cfg)
     problems += components.check_cpu_processes(plan)
     if problems:  # the strategy the checks below build holds one device per process
         raise ConfigError(problems)

@@ -15,8 +15,7 @@ from typing import Any, Iterator
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (build_callbacks, build_metric, build_one_logger, guessed_modes, logger_specs, metric_specs,
-                          monitor_defaults)
+from runner.build import build_callbacks, build_metric, build_one_logger, guessed_modes, metric_specs, monitor_defaults
 from runner.checks.signatures import check_settings, is_fsdp, parameters
 from runner.config import ConfigError
 from runner.plan import Plan
@@ -104,7 +103,7 @@ def check_loggers(plan: Plan) -> Iterator[str]:
     """Each logger has the four methods of a logger and is built once in a scratch folder (it may create files)."""
     from runner.loggers import LOGGER_METHODS
 
-    for name, spec in logger_specs(plan.cfg).items():
+    for name, spec in plan.loggers.items():
         target = get_method(spec._target_)
         missing = [m for m in LOGGER_METHODS if not callable(getattr(target, m, None))]
         if missing:

@@ -43,7 +43,7 @@ def check_data_and_schedule(plan: Plan) -> Iterator[str]:
     if problem:
         yield problem
         data = None
-    yield from _check_optimizer_and_scheduler(cfg, _planned_steps(plan, data))
+    yield from _check_optimizer_and_scheduler(plan, _planned_steps(plan, data))
 
 
 # The runner's own data sets, made in memory from their settings in milliseconds: built before launch even where the
@@ -129,15 +129,13 @@ _REFUSALS = (TypeError, ValueError, RuntimeError, KeyError, IndexError, ZeroDivi
 _PROBED_STEPS = 200_000
 
 
-def _check_optimizer_and_scheduler(cfg: DictConfig, planned: Optional[int] = None) -> Iterator[str]:
+def _check_optimizer_and_scheduler(plan: Plan, planned: Optional[int] = None) -> Iterator[str]:
     """Both built over one parameter, and the scheduler stepped over the run's `planned` optimizer steps (a few
     when they are not known here): its arithmetic runs at its steps, and the rates it gives must train."""
     from runner.schedulers import learning_rates
 
-    from runner.values import optimizer_nodes
-
-    probes = []
-    for key, node in optimizer_nodes(cfg.optimizer).items():  # one, or each named optimizer
+    cfg, probes = plan.cfg, []
+    for key, node in plan.optimizers.items():  # one, or each named optimizer
         try:
             probes.append(probe_optimizer(node, [torch.zeros(1, requires_grad=True)]))
         except _REFUSALS as error:

@@ -17,8 +17,9 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from runner.build import STRATEGY_COMPONENTS, logger_specs
-from runner.values import optimizer_nodes, show, suggest
+from runner.build import STRATEGY_COMPONENTS
+from runner.plan import Plan
+from runner.values import show, suggest
 
 _EMPTY = inspect.Parameter.empty
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -189,12 +190,13 @@ def strategy_class(cfg: DictConfig) -> Any:
     return target if inspect.isclass(target) else None
 
 
-def check_signatures(cfg: DictConfig) -> Iterator[str]:
+def check_signatures(plan: Plan) -> Iterator[str]:
     """Every group's keys against its target's constructor: `+strategy.timeot=5` fails here, by name."""
     from torch.nn.parallel import DistributedDataParallel
 
     from runner.strategies import DDPStrategy
 
+    cfg = plan.cfg
     chosen = strategy_class(cfg)
     ddp = DistributedDataParallel if chosen and issubclass(chosen, DDPStrategy) else None
     # DDPStrategy passes its other keyword arguments to DistributedDataParallel; the module, the devices and
@@ -206,12 +208,12 @@ def check_signatures(cfg: DictConfig) -> Iterator[str]:
     for group in ("accelerator", "precision", "checkpoint_io", "cluster", "model", "data", "task"):
         yield from check_settings(group, cfg[group])
         yield from check_nested(group, cfg[group])
-    for key, node in optimizer_nodes(cfg.optimizer).items():  # one, or several named (optimizer.<name>)
+    for key, node in plan.optimizers.items():  # one, or several named (optimizer.<name>)
         yield from check_settings(key, node, leading=1)  # called with the model's parameters
         yield from check_nested(key, node)
     yield from check_settings("scheduler", cfg.scheduler, leading=1)  # called with the optimizer
     yield from check_nested("scheduler", cfg.scheduler)
-    for name, spec in logger_specs(cfg).items():
+    for name, spec in plan.loggers.items():
         yield from check_settings(f"logger.{name}", spec)
 
 
