@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.build import build_accelerator, build_environment, devices_setting, logger_specs
+from runner.build import build_accelerator, build_environment, build_task, devices_setting, logger_specs
 from runner.values import optimizer_nodes
 
 
@@ -43,6 +43,11 @@ class Plan:
         """The device of each of this node's processes. Read once the accelerator is known to be available: for
         `auto` and -1 its device count decides (stage=check's stand-in for a machine it is not run on included)."""
         return self.accelerator.parse_devices(self.devices)
+
+    @cached_property
+    def task(self) -> Any:
+        """The task (a LightningModule's own steps, where the model is one); raises what its constructor raises."""
+        return build_task(self.cfg)
 
     @cached_property
     def loggers(self) -> dict[str, DictConfig]:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 
-from runner.build import build_model, build_task, probe_optimizer
+from runner.build import build_model, probe_optimizer
 from runner.lightning import is_lightning_config
 from runner.plan import Plan
 from runner.schedulers import unreachable
@@ -25,7 +25,7 @@ def check_checkpoint(plan: Plan, path: Any) -> Iterator[str]:
 
     cfg, processes = plan.cfg, plan.processes
     try:
-        checkpoint = _read_checked(cfg, path)
+        checkpoint = _read_checked(plan, path)
     except CheckpointError as err:
         yield f"trainer.ckpt_path={path}: {err}"
         return
@@ -81,16 +81,17 @@ def _check_same_scheduler(cfg: DictConfig, path: Any, checkpoint: dict) -> Itera
         yield problem
 
 
-def _read_checked(cfg: DictConfig, path: Any) -> dict:
+def _read_checked(plan: Plan, path: Any) -> dict:
     """The checkpoint at `path` verified and checked (CheckpointError otherwise); a sharded folder's tensors on
     the meta device, its weights checked one stored chunk at a time. Nothing of it is unpickled beyond data."""
     from runner.checkpoint_io import CheckpointError, TorchCheckpointIO, sharded, trust
 
+    cfg = plan.cfg
     # Without checksums only a checkpoint the user names: `last`/`best` may find any folder under outputs/.
     wanted = bool(cfg.trainer.get("trust_unchecked_checkpoint", False))
     trusted = wanted and cfg.trainer.ckpt_path not in ("last", "best")
     try:
-        task = trust.task_name(build_task(cfg))
+        task = trust.task_name(plan.task)
     except Exception:  # noqa: BLE001 - a task that cannot be built is reported by the task checks
         task = None
     try:

@@ -16,8 +16,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (NO_DECAY, build_model, build_task, compile_arguments, meta_model, no_decay_matches,
-                          python_rng_kept)
+from runner.build import NO_DECAY, build_model, compile_arguments, meta_model, no_decay_matches, python_rng_kept
 from runner.checks.signatures import strategy_class
 from runner.plan import Plan
 from runner.values import one_line, suggest
@@ -196,7 +195,7 @@ def check_compile(plan: Plan) -> Iterator[str]:
 def check_task(plan: Plan) -> Iterator[str]:
     cfg = plan.cfg
     try:
-        build_task(cfg)
+        plan.task  # built at its first reading, this one; the checkpoint's check reads the same
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
         yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {one_line(error)}"
     yield from check_lightning(cfg)
