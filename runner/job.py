@@ -232,16 +232,18 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         # torch comes with these (not at this module's import): the server above imports it beside this process
         from runner.build import handing_over_data
         from runner.checks import validate
+        from runner.plan import Plan
         from runner.stages import record_dir
 
         drop_unselected_callbacks(cfg)
         ckpt_path = resolve_ckpt_path(cfg, run_dir)
         run_dir = record_dir(str(cfg.get("stage", "fit")), run_dir)  # an evaluation in a fit's folder: its own
+        plan = Plan(cfg)  # what the checks read, and the job goes on with: each piece built once
         # The data the checks build is the data this process's worker trains on: built once, not twice.
-        with handing_over_data(lambda: _trains_here(cfg)):
-            plan = validate(cfg, ckpt_path)
+        with handing_over_data(lambda: _trains_here(plan)):
+            validate(cfg, ckpt_path, plan)
             check_writable(plan, run_dir)
-            return _run(cfg, run_dir, ckpt_path, own_logging, job_logging)
+            return _run(plan, run_dir, ckpt_path, own_logging, job_logging)
     except Exception as error:  # a constructor's refusal: the runner's line, or the user's class and its error
         said = constructor_failure(error)
         if said is error:
@@ -276,23 +278,21 @@ def check(cfg: DictConfig, run_dir: Any = None) -> dict:
     return check_config(cfg, ckpt_path)
 
 
-def _trains_here(cfg: DictConfig) -> bool:
+def _trains_here(plan: Plan) -> bool:
     """Whether a worker trains in this process (one process; a rank torchrun or srun started), rather than in
     processes a launcher starts."""
-    from runner.build import build_strategy
-
-    strategy = build_strategy(cfg)
-    return launcher_for(strategy.processes, cfg.trainer.get("max_restarts", 0), _external(strategy)) is None
+    strategy = plan.strategy
+    return launcher_for(strategy.processes, plan.cfg.trainer.get("max_restarts", 0), _external(strategy)) is None
 
 
-def _run(cfg: DictConfig, run_dir: Path, ckpt_path: Optional[str], own_logging: bool,
+def _run(plan: Plan, run_dir: Path, ckpt_path: Optional[str], own_logging: bool,
          job_logging: Optional[dict]) -> dict:
-    """A validated job: its run folder, then training here or in the workers a launcher starts."""
+    """A validated job: its run folder, then training here (with the plan's strategy) or in the workers a launcher
+    starts."""
     from runner import worker
-    from runner.build import build_strategy
     from runner.logs import save_job_logging
 
-    strategy = build_strategy(cfg)
+    cfg, strategy = plan.cfg, plan.strategy
     resolved = OmegaConf.create(resolved_config(cfg, strategy, ckpt_path))
     if _external(strategy) and os.environ.get("TORCHELASTIC_RUN_ID"):
         end_with_parent()  # torchrun's ranks lead sessions of their own: none may outlive a killed torchrun

@@ -14,7 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.build import build_accelerator, build_environment, build_task, devices_setting, logger_specs
+from runner.build import (build_accelerator, build_environment, build_strategy, build_task, devices_setting,
+                          logger_specs)
 from runner.values import optimizer_nodes
 
 
@@ -58,6 +59,12 @@ class Plan:
     def optimizers(self) -> dict[str, DictConfig]:
         """{the key a message names: the settings} of each optimizer: `optimizer`, or each `optimizer.<name>`."""
         return optimizer_nodes(self.cfg.optimizer)
+
+    @cached_property
+    def strategy(self) -> Any:
+        """The strategy, built as each worker builds its own: how many processes, and who starts them (this job's
+        launcher, or torchrun and srun). Where this process trains, it trains with this one."""
+        return build_strategy(self.cfg)
 
     @property
     def processes(self) -> int:

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner.build import build_data, build_model, build_strategy, handing_over_data, python_rng_kept
+from runner.build import build_data, build_model, handing_over_data, python_rng_kept
 from runner.checks import validate
 from runner.config import ConfigError
 from runner.plan import Plan
@@ -60,7 +60,7 @@ def check_config(cfg: DictConfig, ckpt_path: Optional[str] = None) -> dict:
     with machine_stand_in(plan) as skipped, handing_over_data(lambda: True), dynamo_left_unimported():
         validate(checked, ckpt_path, plan)
         data = _checked_data(checked, with_setup=stage == "check_data")
-        findings = measure(checked, data)
+        findings = measure(plan, data)
     findings["report"] = report_line(findings)
     if skipped:
         log.warning("check: %s", skipped)
@@ -165,12 +165,13 @@ def _devices_wanted(setting: Any, present: int) -> int:
     return int(setting)
 
 
-def measure(cfg: DictConfig, data: Any) -> dict:
+def measure(plan: Plan, data: Any) -> dict:
     """Parameters (trainable and frozen) of the model built on the meta device, the first batch's trial (what ran,
     its FLOPs per sample; runner.checks.trial), and the bytes per process its run would hold."""
     from runner.checks.trial import first_batch_trial
     from runner.lightning import is_lightning_config
 
+    cfg = plan.cfg
     with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
         model = build_model(cfg)
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
@@ -179,17 +180,17 @@ def measure(cfg: DictConfig, data: Any) -> dict:
     trial = first_batch_trial(cfg, data)
     findings = {"parameters": total, "trainable": trainable, "first_batch": trial.tried,
                 "gflop_per_sample": trial.gflop_per_sample, "flops_not_counted": trial.not_counted}
-    findings.update(per_process_memory(cfg, total, trainable, optimizer_state_elements(cfg, model, trainable)))
+    findings.update(per_process_memory(plan, total, trainable, optimizer_state_elements(cfg, model, trainable)))
     lightning = is_lightning_config(cfg)
     findings["optimizer_state_unknown"] = ("its configure_optimizers() chooses the optimizer" if lightning
                                            else "an optimizer this check does not know")
     return findings
 
 
-def per_process_memory(cfg: DictConfig, total: int, trainable: int, state_elements: Optional[int]) -> dict:
+def per_process_memory(plan: Plan, total: int, trainable: int, state_elements: Optional[int]) -> dict:
     """Bytes of weights, gradients and optimizer state in each process: ddp (and dp, single) keeps all of them in
     every process, fsdp a 1/world-size share; optimizer state None where its class is not known here."""
-    strategy = build_strategy(cfg)
+    cfg, strategy = plan.cfg, plan.strategy
     processes = strategy.processes.count if strategy.processes is not None else 1
     external = getattr(strategy, "cluster_environment", None)
     if external is not None and external.creates_processes_externally:
