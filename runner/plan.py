@@ -1,9 +1,10 @@
-"""What a run will build, each piece worked out once from the composed config, for the checks to read.
+"""What a run will build, each piece worked out once from the composed config, for the checks and the job to read.
 
-CLI → compose → [plan] → validate (the checks read the plan) → run folder → launch → worker → build → loop →
-teardown. A piece is worked out by runner.build, as the workers will, at its first reading and then kept: the checks
-that read it run after the ones that make building it safe (the config's keys, its plain values, the signatures),
-so a config refused by those builds nothing here. A check reads its pieces from the plan, never from the builders.
+CLI → compose → [plan] → validate (the checks read the plan) → run folder → launch (from the plan's strategy) →
+worker → build → loop → teardown. A piece is worked out by runner.build, as the workers will, at its first reading
+and then kept: the checks that read it run after the ones that make building it safe (the config's keys, its plain
+values, the signatures), so a config refused by those builds nothing here. A check reads its pieces from the plan,
+never from the builders.
 """
 
 from __future__ import annotations

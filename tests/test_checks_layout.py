@@ -1,5 +1,6 @@
-"""Checks apart from builders: runner.build alone calls hydra.utils.instantiate and imports no check; the command
-line reads the key checks without torch. Read from the source with `ast`, as tests/test_imports.py reads it."""
+"""Checks apart from builders: runner.build alone calls hydra.utils.instantiate and imports no check; the checks and
+the job read the pieces the plan works out once from the plan; the command line reads the key checks without torch.
+Read from the source with `ast`, as tests/test_imports.py reads it."""
 
 from __future__ import annotations
 
@@ -32,6 +33,27 @@ def test_the_builders_import_no_check() -> None:
     graph = import_graph(PACKAGE)
     assert {"runner.checks", "runner.checks.keys", "runner.checks.components"} <= set(graph)  # the package was read
     assert not {m for m in graph["runner.build"] if m.startswith("runner.checks")}
+
+
+# What runner.plan works out once from the config, with the functions of the builders (and runner.values) that work
+# each out: a check or the job that called one of these would build or read again what the others read from the plan.
+PLANNED = {"build_accelerator", "build_environment", "devices_setting", "build_strategy", "build_task", "logger_specs",
+           "optimizer_nodes"}
+
+
+def _planned_imports(path) -> set[str]:
+    """The functions of PLANNED that the module at `path` imports, at any depth."""
+    return {alias.name for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module in ("runner.build", "runner.values")
+            for alias in node.names if alias.name in PLANNED}
+
+
+def test_the_checks_and_the_job_read_the_planned_pieces_from_the_plan() -> None:
+    readers = [*sorted((PACKAGE / "checks").glob("*.py")), PACKAGE / "job.py"]
+    assert len(readers) > 10  # the package was read
+    found = {path.relative_to(PACKAGE.parent).as_posix(): names for path in readers if (names := _planned_imports(path))}
+    assert found == {}
+    assert _planned_imports(PACKAGE / "plan.py") == PLANNED
 
 
 def test_the_command_line_reads_the_key_checks_without_torch() -> None:

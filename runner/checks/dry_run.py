@@ -177,7 +177,7 @@ def measure(plan: Plan, data: Any) -> dict:
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
     total = sum(p.numel() for p in parameters)
-    trial = first_batch_trial(cfg, data)
+    trial = first_batch_trial(plan, data)
     findings = {"parameters": total, "trainable": trainable, "first_batch": trial.tried,
                 "gflop_per_sample": trial.gflop_per_sample, "flops_not_counted": trial.not_counted}
     findings.update(per_process_memory(plan, total, trainable, optimizer_state_elements(cfg, model, trainable)))

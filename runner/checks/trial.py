@@ -20,8 +20,9 @@ from typing import Any, Iterator, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_accelerator, build_task, model_data_mismatch, python_rng_kept, trial_model
+from runner.build import model_data_mismatch, python_rng_kept, trial_model
 from runner.config import ConfigError
+from runner.plan import Plan
 from runner.values import one_line
 
 # FLOPs (forward and backward) of a first batch run on the CPU; above, the batch's shapes go through the meta device,
@@ -50,11 +51,12 @@ class FirstBatch:
     collate_fn: Any
 
 
-def first_batch_trial(cfg: DictConfig, data: Any) -> Trial:
+def first_batch_trial(plan: Plan, data: Any) -> Trial:
     """The first batch of the training data through the model (or a LightningModule's steps); a ConfigError naming
     what failed. `data` None: a data module the check does not set up."""
     from runner.lightning import is_lightning_config
 
+    cfg = plan.cfg
     lightning = is_lightning_config(cfg)
     if data is None:
         return Trial(f"{'its steps were not run' if lightning else 'no batch was tried'}: the data module is not set "
@@ -63,7 +65,7 @@ def first_batch_trial(cfg: DictConfig, data: Any) -> Trial:
         first = read_first_batch(cfg, data, "train")
         if first is None:
             return Trial("no batch was tried: train_dataset is empty")
-        return lightning_trial(cfg, data, first) if lightning else model_trial(cfg, first)
+        return lightning_trial(plan, data, first) if lightning else model_trial(plan, first)
 
 
 def read_first_batch(cfg: DictConfig, data: Any, split: str) -> Optional[FirstBatch]:
@@ -125,18 +127,19 @@ def _collated(what: str, split: str, collate_fn: Any, samples: Any, count: int) 
                            f"{one_line(error)}; {fix}"]) from error
 
 
-def model_trial(cfg: DictConfig, first: FirstBatch) -> Trial:
+def model_trial(plan: Plan, first: FirstBatch) -> Trial:
     """The batch forward and backward through the model and task, its FLOPs counted: on the CPU where trial_model
     builds the model there and the batch costs at most CPU_BATCH_FLOPS (two samples tell), else on the meta device."""
     from runner.flops import meta_twin
 
+    cfg = plan.cfg
     if first.stream_samples is not None:  # a stream's first samples meet the model as a map-style set's do in
         problem = model_data_mismatch(  # build_data, with the same line
             cfg, SimpleNamespace(train_dataset=first.stream_samples, collate_fn=first.collate_fn))
         if problem:
             raise ConfigError([problem])
     model, device = trial_model(cfg)
-    task = build_task(cfg)
+    task = plan.task
     whole = first.words
     if device == "cpu":
         pair_flops = _run(cfg, model, task, first.pair, "2 samples", "on the CPU") if first.count > 2 else 0
@@ -248,15 +251,16 @@ def in_module(running: list) -> str:
     return f", in {name} ({type(module).__name__})"
 
 
-def lightning_trial(cfg: DictConfig, data: Any, first: FirstBatch) -> Trial:
+def lightning_trial(plan: Plan, data: Any, first: FirstBatch) -> Trial:
     """A LightningModule of at most TRIAL_ON_CPU_PARAMETERS parameters, for a CPU run: its training_step (forward and
     backward, FLOPs counted) on the first training batch and validation_step on the first validation batch."""
     from runner.build import TRIAL_ON_CPU_PARAMETERS
     from runner.lightning.trial import NotTried, StepFailed, run_steps
 
+    cfg = plan.cfg
     model, device = trial_model(cfg)
     if device != "cpu":
-        kind = build_accelerator(cfg).device_type
+        kind = plan.accelerator.device_type
         why = (f"accelerator={kind}: they run on the CPU for a CPU run only" if kind != "cpu" else
                f"over {TRIAL_ON_CPU_PARAMETERS / 1e6:.3g}M parameters, they run in the workers only")
         return Trial(f"its training_step and validation_step were not run ({why})")
