@@ -2,7 +2,7 @@
 
 CLI → compose → plan → [validate] → run folder → launch → worker → build → loop → teardown. Each module holds one
 concern, in the order validate runs them (from signatures on, each reads the plan of what the run will build,
-runner.plan, made once by validate):
+runner.plan: the job's, or one validate makes when called alone):
   keys        the config's shape: removed groups, keys no schema has (compose runs these too)
   static      plain values in range and of their type, every `_target_` importable
   signatures  each component's settings against its constructor's signature
