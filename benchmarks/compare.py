@@ -195,14 +195,21 @@ def peak_rss(probes: Path) -> dict[str, float]:
 
 # -- A/B pairs and their summary ----------------------------------------------------------------------
 
+def wait_for_quiet(below: float, at_most: float) -> float:
+    """Before a round, wait up to `at_most` seconds for the 1-minute load to fall below `below` (0: do not wait):
+    other people's work on a shared machine comes and goes. Returns the load the round starts at."""
+    deadline = time.monotonic() + at_most
+    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def ab_pairs(cases: dict[str, Command], args: argparse.Namespace) -> dict[str, list[list[Run]]]:
     """For each pair: every case at N1, then every case at N2, in the same order. -> case -> [[run N1, run N2]]."""
     results: dict[str, list[list[Run]]] = {name: [] for name in cases}
     for pair in range(args.pairs):
-        deadline = time.monotonic() + args.wait_max
-        while args.wait_load and os.getloadavg()[0] >= args.wait_load and time.monotonic() < deadline:
-            time.sleep(5)
-        print(f"  pair {pair + 1}/{args.pairs}: load {os.getloadavg()[0]:.2f}", flush=True)
+        load = wait_for_quiet(args.wait_load, args.wait_max)
+        print(f"  pair {pair + 1}/{args.pairs}: load {load:.2f}", flush=True)
         for name in cases:
             results[name].append([])
         for steps in args.steps:

@@ -44,6 +44,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification.accuracy import Accuracy
 
+from compare import wait_for_quiet  # this folder is on sys.path
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SIZES = {  # name -> (in_features, hidden, depth, num_classes, batch_size)
@@ -257,14 +259,6 @@ def measure(args: argparse.Namespace, procs: int) -> list[dict]:
                   f"{name} {found[name]['step_wall_us']:.0f} us/step, {found[name]['startup_s']:.2f} s, "
                   f"{found[name]['whole_s']:.2f} s" for name in codes), flush=True)
     return rounds
-
-
-def wait_for_quiet(below: float, at_most: float) -> None:
-    """Before a round, wait up to `at_most` seconds for the 1-minute load to fall below `below` (0: do not wait):
-    other people's work on a shared machine comes and goes."""
-    deadline = time.monotonic() + at_most
-    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        time.sleep(5)
 
 
 def _cell(values: list[float], digits: int) -> str:

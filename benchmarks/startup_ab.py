@@ -24,7 +24,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from compare import JOB as BENCHMARK_JOB  # the same job as every other suite (this folder is on sys.path)
+# The same job as every other suite (this folder is on sys.path).
+from compare import JOB as BENCHMARK_JOB, wait_for_quiet
 
 JOB = [*BENCHMARK_JOB, "accelerator=cpu", "trainer.max_steps=20", "trainer.log_every_n_steps=50"]
 
@@ -59,15 +60,6 @@ def start_up(variant: str, procs: int, hand_script: Path) -> float:
         return started - launched
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def wait_for_quiet(below: float, at_most: float) -> float:
-    """Before a round, wait up to `at_most` seconds for the 1-minute load to fall below `below` (0: do not wait);
-    returns the load the round starts at."""
-    deadline = time.monotonic() + at_most
-    while below and os.getloadavg()[0] >= below and time.monotonic() < deadline:
-        time.sleep(5)
-    return os.getloadavg()[0]
 
 
 def spread(values: list[float], digits: int = 3) -> str:
