@@ -49,13 +49,12 @@ def main() -> None:
         timed_import(module)
     from hydra._internal.hydra import Hydra
 
-    from runner import build, checks, job, worker
+    from runner import build, checks, worker
     from runner.loop import Loop, loop as fit_loop
 
     for name in ("get_mode", "compose_config", "run"):
         timed(Hydra, name)
-    timed(checks, "validate")  # runner.job imports these where it calls them
-    timed(job, "resolved_config")
+    timed(checks, "validate_plan")  # runner.job imports it where it calls it
     for name in ("build_strategy", "build_model", "build_optimizer", "build_data", "build_logger", "build_scheduler"):
         timed(build, name)
     for name in ("configure_logging", "train_loader", "val_loader"):

@@ -11,7 +11,7 @@ import pytest
 import runner
 from _dist import assert_ok, run_cli
 from conftest import TINY, compose_config
-from runner.job import resolve_ckpt_path
+from runner.checkpoint_search import resolve_ckpt_path
 from runner.sweep import _write_summary, objective_value
 
 CHECKPOINTED = (*TINY, "callbacks=model_checkpoint", "trainer.val_check_interval=1", "trainer.max_steps=4")

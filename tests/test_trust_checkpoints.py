@@ -21,7 +21,7 @@ from runner.checkpoint_io.torch_io import CHECKSUM_KEY
 from runner.config import ConfigError
 from runner.export import main as export_main
 from runner.checks import validate
-from runner.job import resolve_ckpt_path
+from runner.checkpoint_search import resolve_ckpt_path
 from runner.strategies import SingleDeviceStrategy
 
 SMALL = (*[o for o in TINY if not o.startswith("logger.")], "logger=none", "trainer.max_steps=2")

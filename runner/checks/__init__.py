@@ -12,6 +12,7 @@ runner.plan: the job's, or one validate makes when called alone):
   callbacks   callbacks, metrics (and top_k), loggers
   fsdp        strategy=fsdp's settings against the model
   checkpoint  trainer.ckpt_path against the config
+  run_folder  the job's run folder and its loggers' folders can take files
 A new check goes in the module of its concern, and is called from validate here. The checks read the run's pieces from
 the plan, and build trial objects through runner.build; runner.build never imports them. `stage=check` (dry_run)
 runs validate, then passes the first batch of data.batch_size samples through the model or a LightningModule's steps
@@ -20,7 +21,7 @@ runs validate, then passes the first batch of data.batch_size samples through th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from omegaconf import DictConfig
 
@@ -32,13 +33,20 @@ if TYPE_CHECKING:
     from runner.plan import Plan
 
 
-def validate(cfg: DictConfig, ckpt_path: Any = None, plan: Optional[Plan] = None) -> Plan:
-    """Raise ConfigError listing every problem of `cfg`; nothing is started before this passes. Returns the plan the
-    checks read (`plan`: one made for `cfg` already, whose pieces were read before the checks)."""
-    # Imported here: the command line reads runner.checks.keys at start-up, before torch is needed.
-    from runner.checks import callbacks, checkpoint, components, fsdp, optimizers, schedule, signatures
+def validate(cfg: DictConfig, ckpt_path: Optional[str] = None) -> Plan:
+    """Raise ConfigError listing every problem of `cfg` (and of the checkpoint file `ckpt_path`, when given); nothing
+    is started before this passes. Returns the plan the checks read."""
     from runner.plan import Plan
 
+    return validate_plan(Plan(cfg, checkpoint=ckpt_path))
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """`validate` for the plan a job made: its config, its checkpoint and its run folder."""
+    # Imported here: the command line reads runner.checks.keys at start-up, before torch is needed.
+    from runner.checks import callbacks, checkpoint, components, fsdp, optimizers, run_folder, schedule, signatures
+
+    cfg, ckpt_path = plan.cfg, plan.ckpt_path  # `last`/`best` looked for first: where none is, that is the one line
     problems = check_keys(cfg, CONFIG_DIR)
     if problems:  # the checks below read the groups
         raise ConfigError(problems)
@@ -46,7 +54,6 @@ def validate(cfg: DictConfig, ckpt_path: Any = None, plan: Optional[Plan] = None
                 *static.check_objective(cfg), *static.check_data(cfg), *static.check_targets(cfg)]
     if problems:  # the checks below build objects, which needs importable, well-typed settings
         raise ConfigError(problems)
-    plan = plan if plan is not None else Plan(cfg)
     problems += signatures.check_signatures(plan)
     if problems:  # building with keys a constructor does not take would only repeat them
         raise ConfigError(problems)
@@ -55,12 +62,13 @@ def validate(cfg: DictConfig, ckpt_path: Any = None, plan: Optional[Plan] = None
         raise ConfigError(problems)
     # Each builds what it checks, as the workers will; every problem is reported, in this order.
     for check in (components.check_components, components.check_half_optimizer, components.check_backend,
-                  components.check_trainable, optimizers.check_optimizer_parts, schedule.check_data_and_schedule, components.check_task,
-                  callbacks.check_top_k, callbacks.check_metrics, callbacks.check_callbacks, callbacks.check_loggers,
-                  components.check_compile, fsdp.check_fsdp):
+                  components.check_trainable, optimizers.check_optimizer_parts, schedule.check_data_and_schedule,
+                  components.check_task, callbacks.check_top_k, callbacks.check_metrics, callbacks.check_callbacks,
+                  callbacks.check_loggers, components.check_compile, fsdp.check_fsdp):
         problems += check(plan)
     if ckpt_path is not None and not problems:
-        problems += checkpoint.check_checkpoint(plan, ckpt_path)
+        problems += checkpoint.check_checkpoint(plan)
+    problems += run_folder.check_writable(plan)
     if problems:
         raise ConfigError(problems)
     return plan

@@ -12,18 +12,19 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 
-from runner.build import build_model, probe_optimizer
+from runner.build import probe_optimizer
 from runner.lightning import is_lightning_config
 from runner.plan import Plan
 from runner.schedulers import unreachable
 
 
-def check_checkpoint(plan: Plan, path: Any) -> Iterator[str]:
-    """The checkpoint is the one written (its checksums), holds data only, a possible step, finite weights and
+def check_checkpoint(plan: Plan) -> Iterator[str]:
+    """The plan's checkpoint is the one written (its checksums), holds data only, a possible step, finite weights and
     this run's task, and fits this config: the model's tensors and the position in the epoch."""
     from runner.checkpoint_io import CheckpointError
 
-    cfg, processes = plan.cfg, plan.processes
+    cfg, processes, path = plan.cfg, plan.processes, plan.ckpt_path
+    last_step = _last_step(cfg)
     try:
         checkpoint = _read_checked(plan, path)
     except CheckpointError as err:
@@ -46,13 +47,13 @@ def check_checkpoint(plan: Plan, path: Any) -> Iterator[str]:
         yield (f"trainer.ckpt_path={path} stopped {samples} samples into an epoch, not a whole number of this "
                f"run's global batches (data.batch_size x processes x trainer.accumulate_grad_batches = {per_step}); "
                f"resume with its global batch ({checkpoint.get('global_batch_size')})")
-    yield from _check_model_fits(cfg, path, checkpoint["model"])
+    yield from _check_model_fits(plan, path, checkpoint["model"])
     if resume != "weights" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() chooses
         yield from _check_optimizer_state(cfg, path, checkpoint["optimizer"])
     if resume == "exact" and not is_lightning_config(cfg):  # a LightningModule's configure_optimizers() makes its own
         yield from _check_same_scheduler(cfg, path, checkpoint)
-    if resume == "exact" and _last_step(cfg) is not None:
-        problem = unreachable(checkpoint, _last_step(cfg), path)
+    if resume == "exact" and last_step is not None:
+        problem = unreachable(checkpoint, last_step, path)
         yield from [problem] if problem else []
 
 
@@ -141,11 +142,10 @@ def _eager(name: str) -> str:
     return name.replace("._orig_mod.", ".").removeprefix("_orig_mod.")
 
 
-def _check_model_fits(cfg: DictConfig, path: Any, saved: dict) -> Iterator[str]:
+def _check_model_fits(plan: Plan, path: Any, saved: dict) -> Iterator[str]:
+    cfg, model = plan.cfg, plan.meta_model  # shapes only: no memory, no initialisation cost
     try:
-        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            model = build_model(cfg)
-            expected = {_eager(k): tuple(v.shape) for k, v in model.state_dict().items()}
+        expected = {_eager(k): tuple(v.shape) for k, v in model.state_dict().items()}
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device is checked when loaded
         return
     found = {_eager(k): tuple(v.shape) for k, v in saved.items()}

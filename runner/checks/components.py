@@ -16,7 +16,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import NO_DECAY, build_model, compile_arguments, meta_model, no_decay_matches, python_rng_kept
+from runner.build import NO_DECAY, compile_arguments, no_decay_matches
 from runner.checks.signatures import strategy_class
 from runner.plan import Plan
 from runner.values import one_line, suggest
@@ -119,7 +119,7 @@ def check_trainable(plan: Plan) -> Iterator[str]:
     entries, problem = _no_decay_entries(cfg)
     if problem:
         yield problem
-    model = meta_model(cfg)
+    model = plan.meta_model
     if not isinstance(model, torch.nn.Module):
         return
     parameters = list(model.parameters())
@@ -198,14 +198,11 @@ def check_task(plan: Plan) -> Iterator[str]:
         plan.task  # built at its first reading, this one; the checkpoint's check reads the same
     except Exception as error:  # noqa: BLE001 - any refusal of the arguments is the user's to fix
         yield f"task ({cfg.task.get('_target_')}) does not accept its settings: {one_line(error)}"
-    yield from check_lightning(cfg)
+    yield from check_lightning(plan)
 
 
-def check_lightning(cfg: DictConfig) -> Iterator[str]:
+def check_lightning(plan: Plan) -> Iterator[str]:
     """What of a LightningModule or a Lightning callback the runner does not run (runner.lightning.checks)."""
     from runner.lightning.checks import config_problems
 
-    def meta_model() -> torch.nn.Module:
-        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
-            return build_model(cfg)
-    yield from config_problems(cfg, meta_model, strategy_class(cfg))
+    yield from config_problems(plan.cfg, lambda: plan.meta_model, strategy_class(plan.cfg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 from unittest import mock
 
@@ -21,7 +22,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.build import build_data, build_model, handing_over_data, python_rng_kept
-from runner.checks import validate
+from runner.checks import validate_plan
 from runner.config import ConfigError
 from runner.plan import Plan
 from runner.values import one_line
@@ -50,15 +51,16 @@ def training_config(cfg: DictConfig) -> DictConfig:
     return checked
 
 
-def check_config(cfg: DictConfig, ckpt_path: Optional[str] = None) -> dict:
+def check_config(cfg: DictConfig, folder: Optional[Path] = None) -> dict:
     """Raise ConfigError listing every problem of `cfg` (stage=check or check_data); else return what was learned:
     `parameters`, `trainable`, `first_batch` (what ran on it), `gflop_per_sample` (None when not counted), the
-    per-process bytes and the report line (`report`), which is also logged."""
+    per-process bytes and the report line (`report`), which is also logged. `folder`: where the training run's
+    `trainer.ckpt_path=last|best` is looked for (none: its checkpoint is not checked)."""
     stage = cfg.get("stage", "check")
     checked = training_config(cfg)
-    plan = Plan(checked)
+    plan = Plan(checked, folder, records=False)
     with machine_stand_in(plan) as skipped, handing_over_data(lambda: True), dynamo_left_unimported():
-        validate(checked, ckpt_path, plan)
+        validate_plan(plan)
         data = _checked_data(checked, with_setup=stage == "check_data")
         findings = measure(plan, data)
     findings["report"] = report_line(findings)
@@ -171,9 +173,10 @@ def measure(plan: Plan, data: Any) -> dict:
     from runner.checks.trial import first_batch_trial
     from runner.lightning import is_lightning_config
 
-    cfg = plan.cfg
-    with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
-        model = build_model(cfg)
+    cfg, model = plan.cfg, plan.meta_model
+    if model is None:  # the meta device cannot build it: its error, raised by the build
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            model = build_model(cfg)
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
     total = sum(p.numel() for p in parameters)

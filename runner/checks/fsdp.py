@@ -10,7 +10,6 @@ from typing import Iterator
 
 from omegaconf import OmegaConf
 
-from runner.build import meta_model
 from runner.checks.signatures import is_fsdp
 from runner.plan import Plan
 
@@ -31,7 +30,7 @@ def check_fsdp(plan: Plan) -> Iterator[str]:
     yield from problems
     if problems:
         return
-    model = meta_model(cfg)
+    model = plan.meta_model
     if model is None:
         return
     for key, names in (("shard", [] if shard == "auto" else shard), ("activation_checkpointing", checkpointing)):

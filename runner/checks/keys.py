@@ -117,5 +117,6 @@ def drop_unselected_callbacks(cfg: DictConfig, groups_dir: str) -> list[str]:
 def check_keys(cfg: DictConfig, groups_dir: str) -> list[str]:
     """Problems of the config's shape: removed groups, keys nothing reads and Lightning's own classes. No imports,
     no hardware."""
-    lightning = lightning_classes(OmegaConf.to_container(cfg, resolve=False))
-    return [*_check_groups_set(cfg, groups_dir), *_check_keys(cfg, groups_dir), *lightning]
+    keys = list(_check_keys(cfg, groups_dir))
+    groups = list(_check_groups_set(cfg, groups_dir))
+    return [*groups, *keys, *lightning_classes(OmegaConf.to_container(cfg, resolve=False))]

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from omegaconf import DictConfig
 
-from runner.build import NO_DECAY, meta_model, no_decay_matches
+from runner.build import NO_DECAY, no_decay_matches
 from runner.checks.signatures import is_fsdp
 from runner.plan import Plan
 from runner.values import named_optimizers
@@ -25,7 +25,7 @@ def check_optimizer_parts(plan: Plan) -> Iterator[str]:
         yield (f"task ({cfg.task._target_}) gives one loss per optimizer, which strategy=fsdp does not run (its "
                "gradients are reduced in each backward pass); use strategy=ddp")
         return
-    model = meta_model(cfg)
+    model = plan.meta_model
     if not isinstance(model, torch.nn.Module):
         return
     taken, problems = assign_parts(model, parts)
