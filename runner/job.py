@@ -52,6 +52,7 @@ def fit(cfg: DictConfig, run_dir: Any = None, own_logging: bool = True, job_logg
         # The data the checks build is the data this process's worker trains on: built once, not twice.
         with handing_over_data(lambda: plan.launcher is None):
             validate_plan(plan)
+            plan.release_trials()
             return _run(plan, own_logging, job_logging)
     except Exception as error:  # a constructor's refusal: the runner's line, or the user's class and its error
         said = constructor_failure(error)

@@ -81,8 +81,14 @@ class Plan:
     def meta_model(self) -> Any:
         """The model on the meta device (shapes only, the random generators left as they were), for the checks that
         read its parameters, names and classes; None where the meta device cannot build it (the workers then report
-        what fails). No check changes it."""
+        what fails). The checks read it and never change it (the Lightning checks, which call the module's
+        configure_optimizers(), build their own); `release_trials` lets it go."""
         return meta_model(self.cfg)
+
+    def release_trials(self) -> None:
+        """Let go of what only the checks read (the model on the meta device), before the run trains in this
+        process: a later reading builds it again."""
+        vars(self).pop("meta_model", None)
 
     @cached_property
     def loggers(self) -> dict[str, DictConfig]:

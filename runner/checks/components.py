@@ -16,7 +16,7 @@ import torch
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import NO_DECAY, compile_arguments, no_decay_matches
+from runner.build import NO_DECAY, build_model, compile_arguments, no_decay_matches, python_rng_kept
 from runner.checks.signatures import strategy_class
 from runner.plan import Plan
 from runner.values import one_line, suggest
@@ -205,4 +205,9 @@ def check_lightning(plan: Plan) -> Iterator[str]:
     """What of a LightningModule or a Lightning callback the runner does not run (runner.lightning.checks)."""
     from runner.lightning.checks import config_problems
 
-    yield from config_problems(plan.cfg, lambda: plan.meta_model, strategy_class(plan.cfg))
+    def meta_model() -> torch.nn.Module:
+        # Its own build: a LightningModule's configure_optimizers() runs on it, which may change what the other
+        # checks read of the plan's (requires_grad, attributes).
+        with torch.random.fork_rng(devices=[]), python_rng_kept(), torch.device("meta"):
+            return build_model(plan.cfg)
+    yield from config_problems(plan.cfg, meta_model, strategy_class(plan.cfg))
