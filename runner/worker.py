@@ -62,6 +62,17 @@ READ_WAIT_S = 5.0
 CONSEQUENCE_WAIT_S = 2.0
 
 
+def _said_beside(message: str, *args: Any) -> None:
+    """`log.warning(message, *args)` for a signal handler. The handler runs between two steps of the main thread,
+    which may be inside a write of a log line (a pipe to the launcher that is full): a line written from there
+    re-enters that stream ('reentrant call inside BufferedWriter', a logging error and its traceback on the console).
+    Another thread writes it, after the handlers' lock that such a write holds; the handler waits for it a moment,
+    so that its line comes first wherever nothing is being written."""
+    writer = threading.Thread(target=log.warning, args=(message, *args), name="runner-signal-line", daemon=True)
+    writer.start()
+    writer.join(timeout=0.5)
+
+
 class StopRequest:
     """Set by SIGTERM/SIGINT/SIGHUP; the loop stops at the next step where the processes agree, after a checkpoint.
 
@@ -94,15 +105,15 @@ class StopRequest:
             self._cut = False
             raise ReadCut(self.signal)
         if self.finished:
-            log.warning("received %s after the run had finished: nothing left to stop", signal.Signals(signum).name)
+            _said_beside("received %s after the run had finished: nothing left to stop", signal.Signals(signum).name)
             return
         if self.signal:
             if signum == signal.SIGINT and time.monotonic() - self._since >= SAME_REQUEST_S:
                 raise KeyboardInterrupt  # Ctrl-C twice: stop now, without a checkpoint
             return  # a repeated SIGTERM/SIGUSR1 (several senders, or a re-sent notice) changes nothing
         self.signal, self._since = signum, time.monotonic()
-        log.warning("received %s: stopping after this step or the next (once every process knows), after "
-                    "saving last.ckpt", signal.Signals(signum).name)
+        _said_beside("received %s: stopping after this step or the next (once every process knows), after saving "
+                     "last.ckpt", signal.Signals(signum).name)
         if self._in_read:
             self._watch_read()
 
