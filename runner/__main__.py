@@ -2,6 +2,10 @@
 
 import sys
 
+from runner import collector
+
+collector.pause()  # until the modules the config names are imported: see runner.collector
+
 try:
     from runner.cli import main
 except KeyboardInterrupt:  # Ctrl-C while the command line's modules load: nothing has started

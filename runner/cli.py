@@ -17,6 +17,7 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner import collector
 from runner.checks.keys import check_overrides
 from runner.completion import PYTHON_M_BASH, normalize_query_line, run_as_python_m, wants_bash_install
 from runner.composition import forget_said_lines, register_configs
@@ -144,6 +145,7 @@ class RunFolders(Callback):
         _take_run_folder(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        collector.resume()  # a sweep's driver runs for hours, its jobs in other processes too (runner.collector)
         _check_folder(config.hydra.sweep.dir, "hydra.sweep.dir")
         record = Path(config.hydra.sweep.dir, "multirun.yaml")
         if record.is_symlink():  # Hydra's sweeper writes it next with open(), which would follow the link

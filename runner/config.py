@@ -1,4 +1,5 @@
-"""What every layer shares about configs: ConfigError, where the config groups are, and the run-folder resolver.
+"""What every layer shares about configs: ConfigError, where the config groups are, the `_target_`s a config names
+and the run-folder resolver.
 
 CLI → compose (runner.composition) → validate → run folder → launch → worker → build → loop → teardown; this
 module imports none of them.
@@ -10,6 +11,7 @@ import importlib
 import logging
 import os
 from pathlib import Path
+from typing import Any, Iterator
 
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
@@ -64,6 +66,25 @@ def make_unique_dir(path: str) -> str:
         except FileExistsError:
             n += 1
             candidate = f"{path}-{n}"
+
+
+def targets(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Each `_target_` of a config, nested ones and those in lists included: (its key, the dotted name)."""
+    if OmegaConf.is_dict(node):
+        for key in node:
+            if key == "_target_":
+                yield prefix + "._target_", node[key]
+            else:
+                yield from targets(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
+    elif OmegaConf.is_list(node):
+        for i, item in enumerate(node):
+            yield from targets(item, f"{prefix}[{i}]")
+
+
+def import_target(target: str) -> Any:
+    """The class or function a dotted `_target_` names, its module imported."""
+    module_name, _, attr = str(target).rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def register_resolvers() -> None:

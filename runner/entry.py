@@ -15,13 +15,13 @@ variables the agent set for its rank.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
+from runner import collector
 from runner.processes import STOP_SIGNALS, WORKER_REGISTRY, end_with_parent
 
 def _end_now(signum: int, frame: object) -> None:
@@ -57,6 +57,7 @@ def _take_launch_context(context: dict) -> None:
 def main(config_file: str, run_dir: str, context: Optional[dict] = None) -> None:
     """Run one launched worker on the resolved config file the launcher wrote (`context`: a forkserver worker's
     launch, see _take_launch_context)."""
+    collector.pause()  # until the worker has imported the modules its config names (runner.collector)
     if context is not None:
         _take_launch_context(context)
     parent = os.getppid()
@@ -69,10 +70,6 @@ def main(config_file: str, run_dir: str, context: Optional[dict] = None) -> None
     if registry:
         with contextlib.suppress(OSError):
             Path(registry, str(os.getpid())).touch()
-    # What a forked worker inherited (torch, and under forkserver torch._dynamo and sympy: ~300k objects) lives as
-    # long as the process: out of the collector's sight, a full collection (the worker's last one, before its process
-    # group goes, and those Python starts by itself while it trains) costs what the run made, not 0.2 s more.
-    gc.freeze()
     from runner.worker import run_from_file
 
     run_from_file(config_file, run_dir, parent)

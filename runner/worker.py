@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner import heartbeat
+from runner import collector, heartbeat
 from runner import build
 from runner import stages
 from runner.checkpoint_io.model_record import record_model
@@ -387,12 +387,16 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     """
     from omegaconf import OmegaConf
 
+    from runner.config import import_target, targets
     from runner.errors import constructor_failure, is_user_error, user_code_failure
 
     cfg = OmegaConf.load(config_file)
     # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
     stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841
     try:
+        for _, target in targets(cfg):  # the parent's checks imported them too; here with the collector paused
+            import_target(target)
+        collector.resume()
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"), launched=True)
     except Exception as error:
         error = constructor_failure(error)  # a class that refused its settings: its own words, one line

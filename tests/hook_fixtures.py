@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# Whether Python's collector ran while this module was imported: a process the runner started imports the modules
+# its config names with the collector paused (runner.collector).
+COLLECTING_AT_IMPORT = gc.isenabled()
 
 
 class Recorder:
@@ -46,7 +51,8 @@ class Recorder:
         self._write(hook="on_validation_end", step=step)
 
     def on_fit_end(self, loop: Any, result: dict) -> None:
-        self._write(hook="on_fit_end", grad_norm=loop.progress.metrics.get("train/grad_norm"))
+        self._write(hook="on_fit_end", grad_norm=loop.progress.metrics.get("train/grad_norm"),
+                    collecting_at_import=COLLECTING_AT_IMPORT, collecting=gc.isenabled(), frozen=gc.get_freeze_count())
 
 
 def _samples(loop: Any, out: dict) -> int:

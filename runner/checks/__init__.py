@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from omegaconf import DictConfig
 
+from runner import collector
 from runner.checks import static
 from runner.checks.keys import check_keys
 from runner.config import CONFIG_DIR, ConfigError
@@ -52,6 +53,7 @@ def validate_plan(plan: Plan) -> Plan:
         raise ConfigError(problems)
     problems = [*static.check_trainer(cfg.trainer), *static.check_stage(cfg), *static.check_logger(cfg),
                 *static.check_objective(cfg), *static.check_data(cfg), *static.check_targets(cfg)]
+    collector.resume()  # the modules the config names are imported: what lives on is made (runner.collector)
     if problems:  # the checks below build objects, which needs importable, well-typed settings
         raise ConfigError(problems)
     problems += signatures.check_signatures(plan)

@@ -7,12 +7,12 @@ teardown. No hardware and nothing built: what the later checks need before they 
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config import import_target, targets
 from runner.values import is_int
 
 # torch.manual_seed and the samplers' generators take seeds up to 2**64 - 1; each epoch adds one.
@@ -91,23 +91,10 @@ def _check_fraction_or_count(key: str, value: Any, allow_zero: bool) -> Iterator
            f"or a whole number of batches >= {low}")
 
 
-def _targets(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
-    if OmegaConf.is_dict(node):
-        for key in node:
-            if key == "_target_":
-                yield prefix + "._target_", node[key]
-            else:
-                yield from _targets(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
-    elif OmegaConf.is_list(node):
-        for i, item in enumerate(node):
-            yield from _targets(item, f"{prefix}[{i}]")
-
-
 def check_targets(cfg: DictConfig) -> Iterator[str]:
-    for key, target in _targets(cfg, ""):
-        module_name, _, attr = str(target).rpartition(".")
+    for key, target in targets(cfg):
         try:
-            getattr(importlib.import_module(module_name), attr)
+            import_target(target)
         except (ImportError, AttributeError, ValueError) as err:
             yield f"{key}={target} cannot be imported ({type(err).__name__}: {err}); check the module and name"
 
