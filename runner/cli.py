@@ -293,7 +293,9 @@ def _expected(error: BaseException) -> bool:
     return is_user_error(error)
 
 
-def main() -> None:
+def main(program: bool = False) -> None:
+    """The command line (`python -m runner`, the `runner` script: runner.__main__). `program`: this process is the
+    command itself, where nothing runs after main(); a program or a test that calls main() is not."""
     global _main_pid
     _main_pid = os.getpid()
     failed_jobs.clear()  # this command's sweep only (a program may call main() more than once)
@@ -328,7 +330,7 @@ def main() -> None:
         print(f"error: {len(failed_jobs)} job(s) failed: {', '.join(failed_jobs)}", file=sys.stderr)
         code = 1
     launched_all = bool(started_jobs) and ElasticLauncher.launches - launches == len(started_jobs)
-    if (_checking(sys.argv[1:]) or launched_all) and _is_the_program():
+    if (_checking(sys.argv[1:]) or launched_all) and program:
         _exit_skipping_teardown(code)
     if code:
         sys.exit(code)
@@ -336,13 +338,6 @@ def main() -> None:
 
 def _checking(argv: list[str]) -> bool:
     return any(a.lstrip("+") in _CHECK_STAGES for a in argv)
-
-
-def _is_the_program() -> bool:
-    """Whether this process is `python -m runner` itself, where nothing runs after main(); not a program or a test
-    that calls main()."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return spec is not None and spec.name == "runner.__main__"
 
 
 def _exit_skipping_teardown(code: int) -> NoReturn:

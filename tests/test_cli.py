@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import clean_environ, load_checkpoint, read_events
+from hook_fixtures import events
 
 # What Hydra itself writes into a run folder before the job starts.
 HYDRA_FILES = {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "runner.log"}
@@ -171,10 +172,15 @@ def test_the_runner_script_completes_and_imports_from_the_current_folder(tmp_pat
     (tmp_path / "mymodels.py").write_text("from runner.models import MLP\n\nclass Tiny(MLP):\n    pass\n")
     run_dir = tmp_path / "run"
     result = subprocess.run([str(script), "model._target_=mymodels.Tiny", "model.hidden=8", "trainer.max_steps=2",
-                             "data.num_samples=128", "data.val_samples=32", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                            env=clean_environ(), capture_output=True, text=True, timeout=120)
+                             "data.num_samples=128", "data.val_samples=32", f"hydra.run.dir={run_dir}",
+                             "+callbacks.rec._target_=hook_fixtures.Recorder", f"+callbacks.rec.folder={tmp_path}"],
+                            cwd=tmp_path, env={**clean_environ(), "PYTHONPATH": str(Path(__file__).parent)},
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "mymodels.Tiny" in (run_dir / ".hydra" / "resolved.yaml").read_text()
+    # the script is the command as `python -m runner` is: Python's collector paused while it imports (runner.collector)
+    end = events(tmp_path)[-1]
+    assert not end["collecting_at_import"] and end["collecting"] and end["frozen"] > 0, end
 
 
 @pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep-job"])
