@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import subprocess
+import weakref
 import sys
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,13 @@ from runner import collector
 from runner.cli import RunFolders
 
 TESTS = Path(__file__).resolve().parent
+
+
+class Cycle:
+    """An object in a reference cycle: freed by the collector alone."""
+
+    def __init__(self, other: object) -> None:
+        self.other, self.me = other, self
 RECORDER = ("+callbacks.rec._target_=hook_fixtures.Recorder",)
 
 
@@ -54,5 +62,27 @@ def test_a_sweeps_driver_collects_from_its_start(tmp_path: Path, monkeypatch: py
         assert gc.isenabled() and frozen == [True]
         collector.resume()  # once only
         assert frozen == [True]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("made", [20_000, 2_000], ids=["past-the-bound", "within-it"])
+def test_a_start_that_made_much_of_its_own_collects_before_the_freeze(made: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that builds data at import, with cycles: past `COLLECT_ABOVE` objects they are collected, not
+    frozen with the imports."""
+    freed_at_freeze = []
+    # the test process keeps its collector as it was; what the freeze would have kept is read as it comes
+    monkeypatch.setattr(gc, "freeze", lambda: freed_at_freeze.append(garbage() is None))
+    monkeypatch.setattr(collector, "COLLECT_ABOVE", 10_000)
+    collector.pause()
+    try:
+        cycle: list = []
+        cycle.append(cycle)
+        garbage = weakref.ref(Cycle(cycle))
+        del cycle
+        built = [[] for _ in range(made)]
+        collector.resume()
+        assert freed_at_freeze == [made > 10_000] and len(built) == made
     finally:
         gc.enable()
