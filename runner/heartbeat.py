@@ -7,8 +7,9 @@ far: the beats count the step and the forward passes within it (a rank blocked i
 finished its forward, one stuck in its forward or its data has not). Checkpoint saves, which can outlast any
 step, pause the watch of the ranks in them.
 
-Before the first step the beats name a phase (prepare_data, setup, the rest of the start), numbered alike on every
-rank: a rank waiting in a collective for a peer has reached a later phase than the peer, so the earliest is named.
+Before the first step the beats name a phase (the import of the modules the config names, prepare_data, setup, the
+rest of the start), numbered alike on every rank: a rank waiting in a collective for a peer has reached a later phase
+than the peer, so the earliest is named.
 After the last step two more: the end of the run (its last writes, the test after training, waiting for the other
 ranks) and its exit; a rank whose process has ended counts as the furthest of all, so a rank that holds the job
 after the others have ended (stopped by SIGSTOP, stuck in its exit) is named too.
@@ -37,7 +38,7 @@ SLOWEST_PAUSE_FACTOR = 10
 EXIT_GRACE_S = 30.0
 DUMP_SIGNAL = signal.SIGUSR2  # on it each launched worker dumps its Python stacks (faulthandler)
 # A worker's phases, in the order every rank goes through them (a rank that skips one goes on to the next).
-START, PREPARE, PREPARED, SETUP, BUILT, STEPS, END, DONE = range(8)
+IMPORT, START, PREPARE, PREPARED, SETUP, BUILT, STEPS, END, DONE = range(9)
 _WIDTH = 160  # of a record: a shorter one never leaves the tail of a longer one behind
 
 log = logging.getLogger("runner")
@@ -68,7 +69,7 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int) -> None:
         self._fd = os.open(Path(folder) / str(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         self._pid, self._step, self._ticks, self._paused, self._steps = os.getpid(), -1, 0, 0, 0
-        self._phase, self._label = START, "its start-up (before the data's hooks)"
+        self._phase, self._label = IMPORT, "the import of the modules its config names"
         self._write()
 
     def step(self, step: int) -> None:
@@ -76,7 +77,7 @@ class Heartbeat:
         self._write()
 
     def phase(self, phase: int, label: str) -> None:
-        """Entering `phase` (one of START..BUILT before the first step, END or DONE after the last), watched again
+        """Entering `phase` (one of IMPORT..BUILT before the first step, END or DONE after the last), watched again
         after a pause; `label` names it in the stall message ("rank 1 made no progress for 10 s in <label>")."""
         self._phase, self._label, self._ticks, self._paused = phase, label[:100], 0, 0
         self._write()

@@ -29,6 +29,7 @@ from runner import build
 from runner import stages
 from runner.checkpoint_io.model_record import record_model
 from runner.data import STAGE_SPLITS, TrainBatches, close_loaders, train_loader, val_loader
+from runner.config import import_target, targets
 from runner.data.loaders import worker_died
 from runner.environments import SLURMEnvironment
 from runner.lightning import is_lightning_config
@@ -263,6 +264,8 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
 
     seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
     beat = heartbeat.from_environment(strategy.global_rank)  # from here: a hang before the first step is named
+    _import_named_modules(cfg, strategy.is_global_zero)
+    beat.phase(heartbeat.START, "its start-up (before the data's hooks)")
     info = stages.run_info(strategy, cfg.trainer.num_nodes)
     if strategy.is_global_zero:
         log.info(stages.run_line(info))
@@ -322,6 +325,16 @@ def _train(cfg: Any, strategy: Any, run_dir: Path, ckpt_path: Any, stop: StopReq
         logger.finalize()
     beat.phase(heartbeat.DONE, "its exit (after the run)")  # watched: rank 0 has written all the run keeps
     return result
+
+
+def _import_named_modules(cfg: Any, global_zero: bool) -> None:
+    """The modules the config names, imported before anything is built, seeded, in the process group and watched (as
+    the builds would import them); a launched worker's start ends here (runner.collector). A rank other than 0
+    builds no logger, and imports none."""
+    for key, target in targets(cfg):
+        if global_zero or not key.startswith("logger."):
+            import_target(target)
+    collector.resume()
 
 
 def _loaders(data: Any, sampler_kwargs: Any, seed: int, stage: str) -> tuple[Any, Any]:
@@ -387,16 +400,12 @@ def run_from_file(config_file: str, run_dir: str, parent: int) -> None:
     """
     from omegaconf import OmegaConf
 
-    from runner.config import import_target, targets
     from runner.errors import constructor_failure, is_user_error, user_code_failure
 
     cfg = OmegaConf.load(config_file)
     # Open while the worker runs: the launcher's stall watch asks for this rank's stacks by signal.
     stacks_file = heartbeat.dump_stacks_on_signal(int(os.environ.get("RANK", "0")))  # noqa: F841
     try:
-        for _, target in targets(cfg):  # the parent's checks imported them too; here with the collector paused
-            import_target(target)
-        collector.resume()
         run(cfg, run_dir, ckpt_path=cfg.trainer.get("ckpt_path"), launched=True)
     except Exception as error:
         error = constructor_failure(error)  # a class that refused its settings: its own words, one line

@@ -11,9 +11,15 @@ from typing import Any
 
 import torch
 
-# Whether Python's collector ran while this module was imported: a process the runner started imports the modules
-# its config names with the collector paused (runner.collector).
-COLLECTING_AT_IMPORT = gc.isenabled()
+
+def collecting() -> bool:
+    """Whether Python's collector collects by itself now: on, with a first threshold."""
+    return gc.isenabled() and gc.get_threshold()[0] > 0
+
+
+# A process the runner started imports the modules its config names with the collector paused (runner.collector);
+# a launched worker imports them seeded, as its builds would.
+COLLECTING_AT_IMPORT, SEED_AT_IMPORT = collecting(), torch.initial_seed()
 
 
 class Recorder:
@@ -52,7 +58,8 @@ class Recorder:
 
     def on_fit_end(self, loop: Any, result: dict) -> None:
         self._write(hook="on_fit_end", grad_norm=loop.progress.metrics.get("train/grad_norm"),
-                    collecting_at_import=COLLECTING_AT_IMPORT, collecting=gc.isenabled(), frozen=gc.get_freeze_count())
+                    collecting_at_import=COLLECTING_AT_IMPORT, collecting=collecting(), frozen=gc.get_freeze_count(),
+                    seed_at_import=SEED_AT_IMPORT)
 
 
 def _samples(loop: Any, out: dict) -> int:

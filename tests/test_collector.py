@@ -53,36 +53,38 @@ def test_a_program_calling_the_runner_keeps_its_own_collector(make_cfg: Callable
 
 def test_a_sweeps_driver_collects_from_its_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver of `-m` runs as long as its jobs, which a launcher plugin runs in other processes."""
-    frozen = []
+    frozen, before = [], gc.get_threshold()
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))  # the test process keeps its collector as it was
     collector.pause()
     try:
-        assert not gc.isenabled()
+        assert gc.get_threshold()[0] == 0
         RunFolders().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
-        assert gc.isenabled() and frozen == [True]
+        assert gc.get_threshold() == before and frozen == [True]
         collector.resume()  # once only
         assert frozen == [True]
     finally:
-        gc.enable()
+        gc.set_threshold(*before)
 
 
-@pytest.mark.parametrize("made", [20_000, 2_000], ids=["past-the-bound", "within-it"])
-def test_a_start_that_made_much_of_its_own_collects_before_the_freeze(made: int,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A module that builds data at import, with cycles: past `COLLECT_ABOVE` objects they are collected, not
-    frozen with the imports."""
-    freed_at_freeze = []
-    # the test process keeps its collector as it was; what the freeze would have kept is read as it comes
-    monkeypatch.setattr(gc, "freeze", lambda: freed_at_freeze.append(garbage() is None))
-    monkeypatch.setattr(collector, "COLLECT_ABOVE", 10_000)
+CHOICES = {"none": lambda: None, "turned-off": gc.disable, "thresholds": lambda: gc.set_threshold(500, 5, 5)}
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_the_starts_garbage_is_freed_and_a_modules_own_collector_settings_kept(choice: str,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that drops a cycle holding much memory while it is imported: freed when the start ends, not frozen
+    with the imports. A module that turns the collector off, or sets its thresholds, while it is imported keeps that."""
+    before = gc.get_threshold()
+    monkeypatch.setattr(gc, "freeze", lambda: None)  # the test process keeps its objects in the collector's sight
     collector.pause()
     try:
-        cycle: list = []
-        cycle.append(cycle)
-        garbage = weakref.ref(Cycle(cycle))
-        del cycle
-        built = [[] for _ in range(made)]
+        assert gc.isenabled() and gc.get_threshold() == (0, *before[1:])
+        garbage = weakref.ref(Cycle(bytearray(10**7)))
+        CHOICES[choice]()
         collector.resume()
-        assert freed_at_freeze == [made > 10_000] and len(built) == made
+        assert garbage() is None
+        assert gc.isenabled() == (choice != "turned-off")
+        assert gc.get_threshold() == ((500, 5, 5) if choice == "thresholds" else before)
     finally:
         gc.enable()
+        gc.set_threshold(*before)

@@ -128,8 +128,9 @@ def test_grad_norm_is_the_full_steps_norm_before_clipping(make_cfg: MakeCfg, tmp
         assert len(taken) == (0 if "clip" in split else 2)
     ends = [events(tmp_path / "events", rank)[-1] for rank in range(2 if "ddp" in split else 1)]
     assert [end["grad_norm"] for end in ends] == [logged[4]] * len(ends)  # every process holds the same value
-    if "ddp" in split:  # a launched worker imports the recorder with the collector paused, then trains with it on
+    if "ddp" in split:  # a launched worker imports the recorder seeded and with the collector paused, then collects
         assert all(not end["collecting_at_import"] and end["collecting"] and end["frozen"] > 0 for end in ends), ends
+        assert [end["seed_at_import"] for end in ends] == [cfg.trainer.seed] * 2, ends
 
 
 def test_grad_norm_in_metrics_json_is_the_last_steps_or_none(make_cfg: MakeCfg, tmp_path: Path) -> None:

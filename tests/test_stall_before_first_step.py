@@ -34,7 +34,8 @@ class HangFirstStep(HangFirstForward):
     (("data._target_=faulty_more.Hooks", "+data.hook=setup", "+data.what=hang", "+data.rank=1"), 1,
      "in data.setup('fit')"),
     (("model._target_=test_stall_before_first_step.HangFirstStep", "+model.rank=1"), 1, "in its first step (step 1)"),
-], ids=["prepare_data-rank0", "setup-rank1", "first-forward-rank1"])
+    (("+callbacks.quiet._target_=hang_at_import.Quiet",), 1, "in the import of the modules its config names"),
+], ids=["prepare_data-rank0", "setup-rank1", "first-forward-rank1", "import-rank1"])
 def test_a_rank_hung_before_its_first_step_is_named_with_its_phase(tmp_path: Path, fault: tuple, rank: int,
                                                                    where: str) -> None:
     run_dir = tmp_path / "run"
@@ -50,9 +51,10 @@ def test_a_rank_hung_before_its_first_step_is_named_with_its_phase(tmp_path: Pat
     assert said in stderr and f" s {where}, while the other ranks waited for it (strategy.stall_timeout={STALL_S})" \
         in stderr, stderr
     assert "; if it is only slow (a download, compiling), raise strategy.stall_timeout." in stderr, stderr
-    assert "time.sleep" in stderr or "faulty_more.py" in stderr, stderr  # the hung rank's own frames
+    fixture = "hang_at_import.py" if "import" in where else "faulty_more.py"
+    assert "time.sleep" in stderr or fixture in stderr, stderr  # the hung rank's own frames
     assert "Traceback" not in stderr, stderr  # no gloo timeout blaming the rank that waited
     log = run_dir / ("runner.log" if rank == 0 else f"rank_{rank}.log")
-    assert "faulty_more.py" in log.read_text()  # its whole stack is kept in its log
+    assert fixture in log.read_text()  # its whole stack is kept in its log
     assert elapsed < STALL_S + MARGIN_S, elapsed
     assert wait_for(lambda: not processes_mentioning(str(run_dir)), 10)
