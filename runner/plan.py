@@ -2,9 +2,9 @@
 
 CLI → compose → [plan] → validate (the checks read the plan) → run folder → launch (from the plan's strategy) →
 worker → build → loop → teardown. A piece is worked out by the module that owns it (runner.build, as the workers will;
-runner.checkpoint_search; runner.launch's choice of launcher) at its first reading and then kept: the checks that read it run after the ones that make building it safe (the config's keys, its plain
-values, the signatures), so a config refused by those builds nothing here. A check reads its pieces from the plan,
-never from the builders.
+runner.checkpoint_search; runner.launch's choice of launcher) at its first reading and then kept: the checks that read
+it run after the ones that make building it safe (the config's keys, its plain values, the signatures), so a config
+refused by those builds nothing here. A check reads its pieces from the plan, never from the builders.
 """
 
 from __future__ import annotations
